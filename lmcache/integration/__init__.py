@@ -1,0 +1,1 @@
+"""Adapters for inference engines. All knowledge of a given engine lives in its subpackage."""

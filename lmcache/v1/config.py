@@ -1,0 +1,351 @@
+"""Engine configuration: YAML file, ``LMCACHE_*`` env vars, or a dict.
+
+Precedence for :meth:`LMCacheEngineConfig.load`: defaults < YAML file named by
+``LMCACHE_CONFIG_FILE`` < ``LMCACHE_<KEY>`` environment variables.
+
+Every value is validated when the config is built; a bad value raises
+:class:`ConfigError` naming the key, the value and what was expected. Unknown keys are
+logged with a "did you mean" suggestion and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
+ENV_PREFIX = "LMCACHE_"
+EC_ENV_PREFIX = "LMCACHE_EC_"
+CACHE_POLICIES = ("LRU", "FIFO", "LFU")
+# LMCACHE_* variables that are not config keys (read elsewhere); never warned about.
+_RESERVED_ENV = {"CONFIG_FILE", "USE_NATIVE", "LOG_LEVEL"}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. The message names key, value and expectation."""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{key}={value!r}: expected a boolean (true/false)")
+
+
+def _as_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}={value!r}: expected an integer")
+
+
+def _as_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}={value!r}: expected a number")
+
+
+def _as_opt_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.strip()
+        return value or None if value.lower() not in ("none", "null") else None
+    raise ConfigError(f"{key}={value!r}: expected a string or null")
+
+
+def _as_int_list(key: str, value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key}={value!r}: expected a list of non-negative integers")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ConfigError(f"{key}={value!r}: expected a list of non-negative integers, got item {item!r}")
+        out.append(item)
+    return out
+
+
+def _as_dict(key: str, value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = yaml.safe_load(value) if value.strip() else None
+        if value is None:
+            return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}={value!r}: expected a mapping")
+    return dict(value)
+
+
+def _as_policy(key: str, value: Any) -> str:
+    if not isinstance(value, str) or value.strip().upper() not in CACHE_POLICIES:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(CACHE_POLICIES)}")
+    return value.strip().upper()
+
+
+_PARSERS = {
+    "chunk_size": _as_int,
+    "local_cpu": _as_bool,
+    "max_local_cpu_size": _as_float,
+    "local_disk": _as_opt_str,
+    "max_local_disk_size": _as_float,
+    "remote_url": _as_opt_str,
+    "remote_timeout": _as_float,
+    "save_unfull_chunk": _as_bool,
+    "use_layerwise": _as_bool,
+    "cache_policy": _as_policy,
+    "enable_hidden_state_cache": _as_bool,
+    "max_hidden_state_cpu_size": _as_float,
+    "hidden_state_layers": _as_int_list,
+    "extra_config": _as_dict,
+}
+
+
+@dataclass(slots=True)
+class LMCacheEngineConfig:
+    """All engine settings. Sizes are in GiB.
+
+    Build with :meth:`load`, :meth:`from_file`, :meth:`from_env` or :meth:`from_dict`;
+    the constructor itself does not validate, :meth:`validate` does (the builders call it).
+    """
+
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    remote_url: str | None = None
+    remote_timeout: float = 5.0
+    save_unfull_chunk: bool = False
+    use_layerwise: bool = False
+    cache_policy: str = "LRU"
+    enable_hidden_state_cache: bool = False
+    max_hidden_state_cpu_size: float = 1.0
+    hidden_state_layers: list[int] | None = None
+    extra_config: dict[str, Any] | None = field(default=None)
+
+    # ---------------------------------------------------------------- builders
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> LMCacheEngineConfig:
+        """Build from a mapping of key -> value (values may be strings, as from env)."""
+        cfg = cls()
+        cfg.apply(data, source=source)
+        return cfg
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> LMCacheEngineConfig:
+        """Build from a YAML file. Raises ConfigError if the file is unreadable or not a mapping."""
+        return cls.from_dict(_read_yaml(path), source=str(path))
+
+    @classmethod
+    def from_env(cls) -> LMCacheEngineConfig:
+        """Build from ``LMCACHE_<KEY>`` environment variables alone."""
+        cfg = cls()
+        cfg.apply(env_overrides(ENV_PREFIX), source="environment")
+        return cfg
+
+    @classmethod
+    def load(cls) -> LMCacheEngineConfig:
+        """Defaults, then the file in ``LMCACHE_CONFIG_FILE`` (if set), then env vars."""
+        data: dict[str, Any] = {}
+        path = os.environ.get(CONFIG_FILE_ENV)
+        if path:
+            data.update(_read_yaml(path))
+        data.update(env_overrides(ENV_PREFIX))
+        return cls.from_dict(data, source=path or "environment")
+
+    # ---------------------------------------------------------------- helpers
+    def apply(self, data: Mapping[str, Any], *, source: str = "config") -> None:
+        """Set keys from ``data`` (validated); unknown keys are warned about and skipped."""
+        for raw_key, value in data.items():
+            key = str(raw_key).lower()
+            parser = _PARSERS.get(key)
+            if parser is None:
+                warn_unknown_key(key, source)
+                continue
+            setattr(self, key, parser(key, value))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check cross-field rules; raises ConfigError."""
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size={self.chunk_size!r}: expected an integer > 0")
+        if self.max_local_cpu_size < 0:
+            raise ConfigError(f"max_local_cpu_size={self.max_local_cpu_size!r}: expected a size in GiB >= 0")
+        if self.local_cpu and self.max_local_cpu_size <= 0:
+            raise ConfigError(
+                f"max_local_cpu_size={self.max_local_cpu_size!r}: expected a size in GiB > 0 when local_cpu is true"
+            )
+        if self.max_local_disk_size < 0:
+            raise ConfigError(f"max_local_disk_size={self.max_local_disk_size!r}: expected a size in GiB >= 0")
+        if self.local_disk is not None and self.max_local_disk_size <= 0:
+            raise ConfigError(
+                f"max_local_disk_size={self.max_local_disk_size!r}: expected a size in GiB > 0 "
+                f"when local_disk is set (local_disk={self.local_disk!r})"
+            )
+        if self.remote_timeout <= 0:
+            raise ConfigError(f"remote_timeout={self.remote_timeout!r}: expected seconds > 0")
+        if self.remote_url is not None and "://" not in self.remote_url:
+            raise ConfigError(
+                f"remote_url={self.remote_url!r}: expected a URL such as redis://host:port, "
+                "rediss://host:port, unix:///path or redis-cluster://host:port,host:port"
+            )
+        if self.enable_hidden_state_cache and self.max_hidden_state_cpu_size <= 0:
+            raise ConfigError(
+                f"max_hidden_state_cpu_size={self.max_hidden_state_cpu_size!r}: expected a size in GiB > 0 "
+                "when enable_hidden_state_cache is true"
+            )
+
+    def copy(self) -> LMCacheEngineConfig:
+        """A deep copy (builders never mutate a caller's config)."""
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def get_extra(self, name: str, default: Any = None) -> Any:
+        """A value from ``extra_config`` (free-form per-tier options)."""
+        return (self.extra_config or {}).get(name, default)
+
+    @property
+    def local_disk_path(self) -> str | None:
+        """``local_disk`` with an optional ``file://`` prefix removed."""
+        if self.local_disk is None:
+            return None
+        return self.local_disk[len("file://") :] if self.local_disk.startswith("file://") else self.local_disk
+
+
+def config_keys() -> tuple[str, ...]:
+    return tuple(_PARSERS)
+
+
+def warn_unknown_key(key: str, source: str) -> None:
+    close = difflib.get_close_matches(key, _PARSERS, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    logger.warning("unknown lmcache config key %r in %s (ignored)%s", key, source, hint)
+
+
+def env_overrides(prefix: str) -> dict[str, str]:
+    """``{key: value}`` for env vars ``<prefix><KEY>`` (lower-cased key)."""
+    out: dict[str, str] = {}
+    for name, value in os.environ.items():
+        if not name.startswith(prefix):
+            continue
+        key = name[len(prefix) :]
+        if prefix == ENV_PREFIX and (key in _RESERVED_ENV or key.startswith("EC_")):
+            continue
+        out[key.lower()] = value
+    return out
+
+
+def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={str(path)!r}: cannot read the file ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={str(path)!r}: not valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{CONFIG_FILE_ENV}={str(path)!r}: expected a YAML mapping at top level")
+    return data
+
+
+# ------------------------------------------------------------------- encoder cache
+EC_DEFAULT_CPU_SIZE_GIB = 1.0
+EC_DEFAULT_DISK_SIZE_GIB = 64.0
+
+
+def load_ec_engine_config(base: LMCacheEngineConfig | None = None) -> LMCacheEngineConfig:
+    """The encoder-cache engine's config: a clone of ``base`` with EC overrides applied.
+
+    ``base`` None means :meth:`LMCacheEngineConfig.load`. Overrides, later wins:
+    ``ec_<key>`` keys of the YAML file, then the nested ``ec:`` map of the YAML file,
+    then ``LMCACHE_EC_<KEY>`` env vars. Unknown EC keys are logged and dropped.
+    Afterwards ``local_cpu`` is forced on, ``max_local_cpu_size`` is 1 GiB unless an EC
+    override sets it (the EC budget is separate from the KV one), and
+    ``max_local_disk_size`` is 64 GiB unless an EC override sets it, only when
+    ``local_disk`` is set. No disk path is ever invented.
+    The caller's ``base`` is never mutated.
+    """
+    cfg = (base if base is not None else LMCacheEngineConfig.load()).copy()
+    file_data: dict[str, Any] = {}
+    path = os.environ.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            file_data = _read_yaml(path)
+        except ConfigError:
+            logger.warning("encoder cache: cannot read %s for ec overrides; using base config", path)
+    overrides: dict[str, Any] = {}
+    for key, value in file_data.items():
+        if isinstance(key, str) and key.startswith("ec_"):
+            overrides[key[3:]] = value
+    nested = file_data.get("ec")
+    if nested is not None:
+        if isinstance(nested, Mapping):
+            overrides.update({str(k): v for k, v in nested.items()})
+        else:
+            logger.warning("encoder cache: 'ec' in %s is not a mapping; ignored", path)
+    overrides.update(env_overrides(EC_ENV_PREFIX))
+
+    known = {k: v for k, v in overrides.items() if k.lower() in _PARSERS}
+    for key in overrides.keys() - known.keys():
+        logger.warning("encoder cache: unknown EC config key %r dropped", key)
+    cpu_size_set = "max_local_cpu_size" in {k.lower() for k in known}
+    disk_size_set = "max_local_disk_size" in {k.lower() for k in known}
+
+    for key, value in known.items():
+        key = key.lower()
+        setattr(cfg, key, _PARSERS[key](f"ec_{key}", value))
+    cfg.local_cpu = True
+    if not cpu_size_set:
+        cfg.max_local_cpu_size = EC_DEFAULT_CPU_SIZE_GIB
+    if cfg.local_disk is not None and not disk_size_set:
+        cfg.max_local_disk_size = EC_DEFAULT_DISK_SIZE_GIB
+    # The EC engine has no hidden states and no layerwise path.
+    cfg.enable_hidden_state_cache = False
+    cfg.use_layerwise = False
+    cfg.validate()
+    return cfg

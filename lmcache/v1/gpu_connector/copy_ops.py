@@ -1,0 +1,156 @@
+"""Gather/scatter between paged KV layers and cache memory.
+
+Two implementations with one signature:
+
+* native kernels from ``csrc/`` (``lmcache._c_ops``), used when importable and the
+  tensors are on a device they were built for;
+* a pure-torch fallback (this module), always available.
+
+``LMCACHE_USE_NATIVE=0`` forces the fallback.
+
+Both take a whole batch of chunks and all layers in one call:
+
+``paged_gather(kv_layers, geom, slot_mapping, starts, dsts)``
+    For chunk ``i``, token ``t`` and layer ``l``: copy the vectors of the token at
+    ``slot_mapping[starts[i] + t]`` from ``kv_layers[l]`` into ``dsts[i][c, l, t]`` for each
+    component ``c``. ``dsts[i]`` is a 4-D view ``[C, L, T_i, hidden]`` (any strides, last
+    dim contiguous). Tokens with a negative slot are skipped (their rows untouched).
+``paged_scatter(kv_layers, geom, slot_mapping, starts, srcs)``
+    The reverse: write ``srcs[i][c, l, t]`` to the token's slot; negative slots skipped.
+
+The caller owns every tensor before and after the call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import torch
+
+from lmcache.v1.gpu_connector import native
+from lmcache.v1.gpu_connector.layouts import PagedGeometry
+
+logger = logging.getLogger(__name__)
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def native_enabled() -> bool:
+    """True when native kernels are importable and not disabled by LMCACHE_USE_NATIVE=0."""
+    return os.environ.get("LMCACHE_USE_NATIVE", "1") not in ("0", "false", "False") and native.load() is not None
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """Bit-identical integer view (torch lacks index kernels for some float types, e.g. fp8)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _component_views(layer: torch.Tensor, geom: PagedGeometry) -> list[tuple[bool, torch.Tensor]]:
+    """Per component: (flat, view). Flat views are [blocks*block_size, H, D]; others [B, N, H, D]."""
+    nb, bs, h, d = geom.num_blocks, geom.block_size, geom.num_heads, geom.head_size
+    out = []
+    for comp in geom.components:
+        base = layer.storage_offset() + comp.offset
+        if comp.block_stride == bs * comp.token_stride:
+            out.append((True, torch.as_strided(layer, (nb * bs, h, d), (comp.token_stride, comp.head_stride, comp.dim_stride), base)))
+        else:
+            out.append(
+                (False, torch.as_strided(layer, (nb, bs, h, d), (comp.block_stride, comp.token_stride, comp.head_stride, comp.dim_stride), base))
+            )
+    return out
+
+
+def _chunk_slots(slot_mapping: torch.Tensor, start: int, num: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(valid slots, row indices of valid tokens or None when all are valid)."""
+    slots = slot_mapping[start : start + num]
+    if slots.shape[0] != num:
+        raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries, chunk needs [{start}, {start + num})")
+    valid = slots >= 0
+    if bool(valid.all()):
+        return slots, None
+    rows = valid.nonzero().squeeze(1)
+    return slots[rows], rows
+
+
+def _gather_torch(kv_layers, geom, slot_mapping, starts, dsts) -> None:
+    h, d = geom.num_heads, geom.head_size
+    views = [_component_views(_as_int(layer), geom) for layer in kv_layers]
+    for start, dst in zip(starts, dsts):
+        dst_i = _as_int(dst)
+        slots, rows = _chunk_slots(slot_mapping, start, dst.shape[2])
+        blk, off = (slots // geom.block_size, slots % geom.block_size)
+        for l, comps in enumerate(views):
+            for c, (flat, view) in enumerate(comps):
+                got = view.index_select(0, slots) if flat else view[blk, off]
+                target = dst_i[c, l]
+                got = got.reshape(got.shape[0], h * d).to(target.device, non_blocking=True)
+                if rows is None:
+                    target.copy_(got)
+                else:
+                    target[rows.to(target.device)] = got
+
+
+def _scatter_torch(kv_layers, geom, slot_mapping, starts, srcs) -> None:
+    h, d = geom.num_heads, geom.head_size
+    views = [_component_views(_as_int(layer), geom) for layer in kv_layers]
+    device = kv_layers[0].device
+    for start, src in zip(starts, srcs):
+        src_i = _as_int(src)
+        slots, rows = _chunk_slots(slot_mapping, start, src.shape[2])
+        blk, off = (slots // geom.block_size, slots % geom.block_size)
+        for l, comps in enumerate(views):
+            for c, (flat, view) in enumerate(comps):
+                values = src_i[c, l]
+                if rows is not None:
+                    values = values[rows.to(values.device)]
+                values = values.to(device, non_blocking=True).reshape(-1, h, d)
+                if flat:
+                    view.index_copy_(0, slots, values)
+                else:
+                    view[blk, off] = values
+
+
+def _native_args(kv_layers: Sequence[torch.Tensor], geom: PagedGeometry):
+    return [c.as_tuple() for c in geom.components], geom.block_size, geom.num_heads, geom.head_size
+
+
+def paged_gather(
+    kv_layers: Sequence[torch.Tensor],
+    geom: PagedGeometry,
+    slot_mapping: torch.Tensor,
+    starts: Sequence[int],
+    dsts: Sequence[torch.Tensor],
+    *,
+    use_native: bool | None = None,
+) -> None:
+    """Paged KV -> cache memory for a batch of chunks (see module docstring)."""
+    if not dsts:
+        return
+    mod = native.load() if (native_enabled() if use_native is None else use_native) else None
+    if mod is not None and native.supports(mod, kv_layers[0], dsts[0]):
+        comps, bs, h, d = _native_args(kv_layers, geom)
+        mod.paged_gather(list(kv_layers), comps, bs, h, d, slot_mapping.to(torch.int64), list(starts), list(dsts))
+        return
+    _gather_torch(kv_layers, geom, slot_mapping.to(torch.int64), starts, dsts)
+
+
+def paged_scatter(
+    kv_layers: Sequence[torch.Tensor],
+    geom: PagedGeometry,
+    slot_mapping: torch.Tensor,
+    starts: Sequence[int],
+    srcs: Sequence[torch.Tensor],
+    *,
+    use_native: bool | None = None,
+) -> None:
+    """Cache memory -> paged KV for a batch of chunks (see module docstring)."""
+    if not srcs:
+        return
+    mod = native.load() if (native_enabled() if use_native is None else use_native) else None
+    if mod is not None and native.supports(mod, kv_layers[0], srcs[0]):
+        comps, bs, h, d = _native_args(kv_layers, geom)
+        mod.paged_scatter(list(kv_layers), comps, bs, h, d, slot_mapping.to(torch.int64), list(starts), list(srcs))
+        return
+    _scatter_torch(kv_layers, geom, slot_mapping.to(torch.int64), starts, srcs)

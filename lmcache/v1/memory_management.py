@@ -1,0 +1,287 @@
+"""Memory objects and the pool they come from.
+
+A :class:`PoolAllocator` hands out :class:`MemoryObj` views into large preallocated
+byte slabs and takes them back when their reference count reaches zero. Slabs are
+created lazily (the first when the first object is allocated, more as the pool fills),
+so start-up cost does not depend on the pool size, and freed memory is reused so hot
+paths copy into already-touched pages. Slabs are page-locked (pinned) only when CUDA is
+available, because pinning touches every page.
+
+Ownership rule for the whole package: an allocation returns an object with
+``ref_count == 1`` owned by the caller; whoever stores a reference calls
+``ref_count_up()``; whoever drops one calls ``ref_count_down()``. A pinned object
+(``pin_count > 0``) is never evicted from a tier.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+ALIGN = 4096  # page alignment: lets the disk tier use O_DIRECT on pool memory
+DEFAULT_SLAB_BYTES = 1 * GiB
+
+
+class MemoryFormat(enum.Enum):
+    """Shape convention of a MemoryObj's tensor."""
+
+    KV_2LTD = 1
+    """[2, num_layers, num_tokens, hidden]: K and V of all layers of one chunk."""
+    KV_T2D = 2
+    """[num_tokens, 2, hidden]: K and V of one layer of one chunk (layerwise path)."""
+    KV_MLA_FMT = 3
+    """[1, num_layers, num_tokens, hidden]: MLA latent vectors of all layers of one chunk."""
+    HS_TD = 4
+    """[num_tokens, hidden_dim]: hidden states of one chunk for one storage layer."""
+    EC_TD = 5
+    """[num_tokens, dim]: one multimodal encoder output."""
+    BINARY = 6
+    """[num_bytes] uint8: opaque bytes."""
+
+    def token_dim(self) -> int:
+        """Index of the token axis in this format's shape."""
+        return {1: 2, 2: 0, 3: 2, 4: 0, 5: 0, 6: 0}[self.value]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryObjMetadata:
+    """Shape, dtype and format of a MemoryObj (what a tier needs to rebuild it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class MemoryObj:
+    """A tensor view into pool memory with reference and pin counts.
+
+    Thread-safe counters. ``tensor`` stays valid while the caller holds a reference.
+    When the reference count reaches 0 the memory returns to its allocator (objects
+    not backed by an allocator simply drop their tensor).
+    """
+
+    __slots__ = ("meta", "_raw", "_tensor", "_allocator", "_slab", "_offset", "_size", "_ref", "_pin", "_lock")
+
+    def __init__(
+        self,
+        meta: MemoryObjMetadata,
+        raw: torch.Tensor,
+        allocator: PoolAllocator | None = None,
+        slab: int = -1,
+        offset: int = 0,
+        size: int = 0,
+    ) -> None:
+        self.meta = meta
+        self._raw = raw
+        self._tensor: torch.Tensor | None = raw[: meta.nbytes].view(meta.dtype).view(meta.shape)
+        self._allocator = allocator
+        self._slab = slab
+        self._offset = offset
+        self._size = size
+        self._ref = 1
+        self._pin = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat) -> MemoryObj:
+        """Wrap a standalone contiguous CPU tensor (not pool memory) as a MemoryObj."""
+        t = tensor.contiguous()
+        meta = MemoryObjMetadata(tuple(t.shape), t.dtype, fmt)
+        return cls(meta, t.view(-1).view(torch.uint8))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The typed view, or None after the object has been freed."""
+        return self._tensor
+
+    @property
+    def byte_array(self) -> torch.Tensor:
+        """The payload as a flat uint8 tensor (length ``meta.nbytes``)."""
+        return self._raw[: self.meta.nbytes]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.meta.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    @property
+    def fmt(self) -> MemoryFormat:
+        return self.meta.fmt
+
+    def get_size(self) -> int:
+        """Payload bytes."""
+        return self.meta.nbytes
+
+    def num_tokens(self) -> int:
+        return self.meta.shape[self.meta.fmt.token_dim()]
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def ref_count(self) -> int:
+        return self._ref
+
+    @property
+    def pin_count(self) -> int:
+        return self._pin
+
+    def is_pinned(self) -> bool:
+        return self._pin > 0
+
+    def ref_count_up(self) -> None:
+        with self._lock:
+            assert self._ref > 0, "ref_count_up on a freed MemoryObj"
+            self._ref += 1
+
+    def ref_count_down(self) -> None:
+        """Drop one reference; at zero the memory goes back to the pool."""
+        with self._lock:
+            assert self._ref > 0, "ref_count_down on a freed MemoryObj"
+            self._ref -= 1
+            if self._ref:
+                return
+            self._tensor = None
+        if self._allocator is not None:
+            self._allocator._release(self._slab, self._offset, self._size)
+
+    def pin(self) -> None:
+        with self._lock:
+            self._pin += 1
+
+    def unpin(self) -> None:
+        with self._lock:
+            if self._pin > 0:
+                self._pin -= 1
+
+    def __repr__(self) -> str:
+        return f"MemoryObj(shape={self.meta.shape}, dtype={self.meta.dtype}, fmt={self.meta.fmt.name}, ref={self._ref}, pin={self._pin})"
+
+
+class _Slab:
+    """One contiguous byte buffer with a sorted, coalescing free list."""
+
+    __slots__ = ("buf", "size", "free_offsets", "free_sizes")
+
+    def __init__(self, size: int, pin_memory: bool) -> None:
+        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+        self.size = size
+        self.free_offsets = [0]
+        self.free_sizes = [size]
+
+    def alloc(self, size: int) -> int | None:
+        for i, fsize in enumerate(self.free_sizes):
+            if fsize >= size:
+                off = self.free_offsets[i]
+                if fsize == size:
+                    del self.free_offsets[i], self.free_sizes[i]
+                else:
+                    self.free_offsets[i] = off + size
+                    self.free_sizes[i] = fsize - size
+                return off
+        return None
+
+    def free(self, off: int, size: int) -> None:
+        i = bisect.bisect_left(self.free_offsets, off)
+        # merge with the following free block
+        if i < len(self.free_offsets) and off + size == self.free_offsets[i]:
+            size += self.free_sizes[i]
+            del self.free_offsets[i], self.free_sizes[i]
+        # merge with the preceding free block
+        if i > 0 and self.free_offsets[i - 1] + self.free_sizes[i - 1] == off:
+            self.free_sizes[i - 1] += size
+            return
+        self.free_offsets.insert(i, off)
+        self.free_sizes.insert(i, size)
+
+
+class PoolAllocator:
+    """Fixed-budget allocator of page-aligned MemoryObjs over lazily created slabs.
+
+    Any thread may call :meth:`allocate`; it never blocks on I/O and returns None when
+    the budget is exhausted (the caller evicts or skips). Memory returns to the pool
+    when an object's reference count reaches zero.
+    """
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None, slab_bytes: int = DEFAULT_SLAB_BYTES):
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes={capacity_bytes!r}: expected > 0")
+        self.capacity = capacity_bytes
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.slab_bytes = max(ALIGN, min(slab_bytes, capacity_bytes) // ALIGN * ALIGN)
+        self._slabs: list[_Slab] = []
+        self._reserved = 0  # bytes of slabs created so far
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self._used
+
+    def can_ever_fit(self, nbytes: int) -> bool:
+        return _round_up(nbytes) <= self.slab_bytes
+
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """A new object with ref_count 1, owned by the caller; None if the pool is full."""
+        meta = MemoryObjMetadata(tuple(int(d) for d in shape), dtype, fmt)
+        size = _round_up(max(meta.nbytes, 1))
+        if size > self.slab_bytes:
+            return None
+        with self._lock:
+            if self._used + size > self.capacity:
+                return None
+            for idx, slab in enumerate(self._slabs):
+                off = slab.alloc(size)
+                if off is not None:
+                    break
+            else:
+                slab_size = min(self.slab_bytes, self.capacity - self._reserved) // ALIGN * ALIGN
+                if slab_size < size:
+                    return None
+                slab = _Slab(slab_size, self.pin_memory)
+                self._slabs.append(slab)
+                self._reserved += slab_size
+                idx = len(self._slabs) - 1
+                off = slab.alloc(size)
+                assert off is not None
+            self._used += size
+        return MemoryObj(meta, slab.buf[off : off + size], self, idx, off, size)
+
+    def _release(self, slab: int, offset: int, size: int) -> None:
+        with self._lock:
+            if slab < len(self._slabs):  # after close() the slabs are gone
+                self._slabs[slab].free(offset, size)
+            self._used -= size
+            assert self._used >= 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._slabs.clear()
+            self._reserved = 0
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN

@@ -1,0 +1,38 @@
+"""Storage tiers and the manager that routes between them.
+
+Layers do not import upwards: backends know keys and memory objects, nothing about
+the engine or GPU connectors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = logging.getLogger(__name__)
+
+
+def create_lower_backends(
+    config: LMCacheEngineConfig, local_cpu: LocalCPUBackend, *, namespace: str = "kv"
+) -> list[StorageBackend]:
+    """The L2/L3 tiers named by the config (disk, then remote), in lookup order.
+
+    ``namespace`` separates caches that share a directory or server (``"kv"``,
+    ``"ec"``, ...). A tier that cannot start logs one error and is left out: the
+    engine keeps serving from the tiers it has.
+    """
+    out: list[StorageBackend] = []
+    if config.local_disk_path is not None:
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        out.append(LocalDiskBackend(config, local_cpu, namespace=namespace))
+    if config.remote_url is not None:
+        from lmcache.v1.storage_backend.remote_backend import RemoteBackend
+
+        out.append(RemoteBackend(config, local_cpu, namespace=namespace))
+    return out

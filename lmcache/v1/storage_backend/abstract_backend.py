@@ -1,0 +1,72 @@
+"""The contract every storage tier implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Sequence
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+
+
+class StorageBackend(ABC):
+    """One storage tier below or at the CPU pool.
+
+    Calling thread: any engine thread (scheduler lookups, worker stores/retrieves);
+    implementations are thread-safe. ``contains``, ``submit_put``, ``remove`` and
+    ``get_non_blocking`` never block on I/O beyond a bounded timeout; ``get_blocking``
+    may wait for I/O.
+
+    Ownership: ``submit_put`` does not take the caller's reference; a tier that keeps
+    or writes the object asynchronously calls ``ref_count_up()`` itself and drops that
+    reference when done. ``get_blocking`` and the future of ``get_non_blocking``
+    return an object carrying one reference owned by the caller (or None on a miss).
+
+    Failures (I/O errors, corrupt data, a server down) are misses, never exceptions.
+    """
+
+    name: str = "backend"
+
+    @abstractmethod
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        """Whether the key is present; ``pin`` keeps it from eviction until ``unpin``."""
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+        """Number of leading keys present (prefix semantics). Tiers may override to batch I/O."""
+        n = 0
+        for key in keys:
+            if not self.contains(key, pin):
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """Start storing ``obj`` under ``key``; may complete asynchronously."""
+
+    @abstractmethod
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The object (one reference for the caller) or None on a miss."""
+
+    def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+        """Future of :meth:`get_blocking`. Default: computed inline."""
+        fut: Future[MemoryObj | None] = Future()
+        fut.set_result(self.get_blocking(key))
+        return fut
+
+    @abstractmethod
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Drop the key; True if it was present."""
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        """Undo one ``contains(pin=True)``; True if the key was present."""
+        return False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until submitted puts are durable in this tier; True if all finished."""
+        return True
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background work and release resources. Idempotent."""

@@ -1,0 +1,209 @@
+"""StorageManager: one front door to the tiers (L1 CPU, L2 disk, L3 remote).
+
+Writes go to L1 and are written through to the lower tiers asynchronously. Reads try
+L1 first, then each lower tier in order; a lower-tier hit is promoted into L1.
+Allocation failure is not an error: the caller skips the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Iterator, Sequence
+
+import torch
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.stats import CacheStats
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.cache_policy import make_policy
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = logging.getLogger(__name__)
+
+STAGING_POOL_GIB = 1.0  # pool size when local_cpu is off (staging for lower tiers only)
+
+
+def _done(value: object) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class StorageManager:
+    """Routes puts, gets and lookups across the configured tiers.
+
+    Thread-safe. Ownership: :meth:`allocate` and the ``get`` family return objects with
+    one reference owned by the caller; :meth:`batched_put` does not consume the
+    caller's references (tiers take their own).
+    """
+
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        *,
+        namespace: str = "kv",
+        stats: CacheStats | None = None,
+        lower_backends: Sequence[StorageBackend] | None = None,
+        pool_bytes: int | None = None,
+    ) -> None:
+        self.config = config
+        self.stats = stats if stats is not None else CacheStats()
+        size_gib = config.max_local_cpu_size if config.max_local_cpu_size > 0 else STAGING_POOL_GIB
+        self.allocator = PoolAllocator(pool_bytes if pool_bytes is not None else int(size_gib * GiB))
+        self.local_cpu = LocalCPUBackend(
+            self.allocator,
+            make_policy(config.cache_policy),
+            retain=config.local_cpu,
+            on_evict=lambda n: self.stats.add(evictions=n),
+        )
+        if lower_backends is None:
+            from lmcache.v1.storage_backend import create_lower_backends
+
+            lower_backends = create_lower_backends(config, self.local_cpu, namespace=namespace)
+        self.lower: list[StorageBackend] = list(lower_backends)
+        self._closed = False
+
+    @property
+    def backends(self) -> list[StorageBackend]:
+        """All tiers, L1 first."""
+        return [self.local_cpu, *self.lower]
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """A pool object (ref 1, caller owns it), evicting from L1 as needed; None if full."""
+        return self.local_cpu.allocate(shape, dtype, fmt)
+
+    # ------------------------------------------------------------------ writes
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        """Store objects in L1 and submit them to the lower tiers.
+
+        Keys are handed over from the last to the first so that the head of a sequence
+        is the most recent entry for every eviction policy (tail evicted before head).
+        """
+        assert len(keys) == len(objs)
+        for backend in self.backends:
+            for key, obj in zip(reversed(keys), reversed(objs)):
+                backend.submit_put(key, obj)
+
+    def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        self.batched_put([key], [obj])
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The object (caller owns one reference) or None; lower-tier hits are promoted."""
+        obj = self.local_cpu.get_blocking(key)
+        if obj is not None:
+            return obj
+        for backend in self.lower:
+            obj = backend.get_blocking(key)
+            if obj is not None:
+                self.local_cpu.submit_put(key, obj)
+                return obj
+        return None
+
+    def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Objects for a prefix of ``keys``; entries after the first miss are None."""
+        out: list[MemoryObj | None] = []
+        for key in keys:
+            obj = self.get(key) if (not out or out[-1] is not None) else None
+            out.append(obj)
+        # touch from tail to head so the head stays most recent
+        for key, obj in zip(reversed(keys), reversed(out)):
+            if obj is not None:
+                self.local_cpu.touch(key)
+        return out
+
+    def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+        obj = self.local_cpu.get_blocking(key)
+        if obj is not None:
+            return _done(obj)
+        for backend in self.lower:
+            if backend.contains(key):
+                fut = backend.get_non_blocking(key)
+                fut.add_done_callback(lambda f, k=key: self._promote(k, f))
+                return fut
+        return _done(None)
+
+    def _promote(self, key: CacheEngineKey, fut: Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        obj = fut.result()
+        if obj is not None:
+            self.local_cpu.submit_put(key, obj)
+
+    def layerwise_batched_get(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> Iterator[Future]:
+        """Yield one Future per layer; its result is the list of that layer's objects.
+
+        Each list holds objects (one reference each, owned by the caller) for a prefix of
+        the layer's keys and None from the first miss on. Layer ``i+1``'s reads are
+        started only when the consumer asks for the next future, so layer ``i`` is
+        available as early as possible.
+        """
+        for keys in keys_per_layer:
+            futures = [self.get_non_blocking(k) for k in keys]
+            yield _gather_prefix(futures)
+
+    # ------------------------------------------------------------------ lookups
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return any(b.contains(key, pin and b is self.local_cpu) for b in self.backends)
+
+    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+        """Number of leading keys present in some tier (pinning the L1 ones if asked)."""
+        found = self.local_cpu.batched_contains(keys, pin)
+        for backend in self.lower:
+            if found == len(keys):
+                break
+            found += backend.batched_contains(keys[found:])
+        return found
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return self.local_cpu.unpin(key)
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        """Remove from every tier; True if any had it."""
+        return any([b.remove(key) for b in self.backends])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the lower tiers' pending writes; True if all finished."""
+        return all([b.flush(timeout) for b in self.lower])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for backend in reversed(self.backends):
+            backend.close()
+
+
+def _gather_prefix(futures: list[Future]) -> Future:
+    """A future of the list of results, cut to a prefix at the first miss."""
+    out: Future = Future()
+    if not futures:
+        out.set_result([])
+        return out
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def _one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        results: list[MemoryObj | None] = []
+        missed = False
+        for f in futures:
+            obj = None if f.cancelled() or f.exception() is not None else f.result()
+            if missed and obj is not None:
+                obj.ref_count_down()
+                obj = None
+            missed = missed or obj is None
+            results.append(obj)
+        out.set_result(results)
+
+    for f in futures:
+        f.add_done_callback(_one_done)
+    return out

