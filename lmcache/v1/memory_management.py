@@ -183,7 +183,9 @@ class _Slab:
     __slots__ = ("buf", "size", "free_offsets", "free_sizes")
 
     def __init__(self, size: int, pin_memory: bool) -> None:
-        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+        skew = (-raw.data_ptr()) % ALIGN  # start on a page boundary (O_DIRECT-friendly)
+        self.buf = raw[skew : skew + size]
         self.size = size
         self.free_offsets = [0]
         self.free_sizes = [size]

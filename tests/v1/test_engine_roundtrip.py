@@ -1,0 +1,164 @@
+"""Engine store -> wipe -> retrieve round trips on real paged KV tensors, every layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_connector, make_engine, make_metadata, random_kv_caches, random_slot_mapping
+
+CHUNK = 16
+
+
+def token_vectors(layer: torch.Tensor, spec: KVSpec, slot: int) -> list[torch.Tensor]:
+    """Reference decode (DESIGN.md §5), independent of the connector's layout table."""
+    b, n = divmod(slot, spec.block_size)
+    if spec.layout == "vllm_cpu":
+        nb, h, bs, two_d = layer.shape
+        d = two_d // 2
+        page = layer.reshape(nb, h, 2 * bs * d)
+        k = page[..., : bs * d].reshape(nb, h, d, bs)
+        v = page[..., bs * d :].reshape(nb, h, bs, d)
+        return [k[b, :, :, n], v[b, :, n, :]]
+    if spec.layout == "flash_attn":
+        return [layer[0, b, n], layer[1, b, n]]
+    if spec.layout == "flashinfer":
+        return [layer[b, 0, n], layer[b, 1, n]]
+    return [layer[b, n]]
+
+
+def assert_same_tokens(kv_a, slots_a, kv_b, slots_b, spec, count):
+    for la, lb in zip(kv_a, kv_b):
+        for i in range(count):
+            for va, vb in zip(token_vectors(la, spec, int(slots_a[i])), token_vectors(lb, spec, int(slots_b[i]))):
+                assert torch.equal(va.contiguous().view(torch.uint8), vb.contiguous().view(torch.uint8))
+
+
+def written_slots(kv, spec) -> set[int]:
+    out = set()
+    for layer in kv:
+        for slot in range(spec.num_blocks * spec.block_size):
+            if any(bool((v.contiguous().view(torch.uint8) != 0).any()) for v in token_vectors(layer, spec, slot)):
+                out.add(slot)
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [64, 45])
+def test_round_trip_bit_exact(layout, dtype, num_tokens):
+    spec = KVSpec(layout=layout, dtype=dtype, num_blocks=12, block_size=8)
+    engine = make_engine(spec)
+    kv = random_kv_caches(spec, seed=1)
+    slots = random_slot_mapping(spec, num_tokens, seed=2)
+    tokens = torch.randint(0, 50000, (num_tokens,))
+    full = num_tokens // CHUNK * CHUNK
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == full
+    assert engine.lookup(tokens) == full
+
+    kv2 = [torch.zeros_like(t) for t in kv]
+    slots2 = random_slot_mapping(spec, num_tokens, seed=3)  # other blocks, as after a restart
+    ret = engine.retrieve(tokens, kvcaches=kv2, slot_mapping=slots2)
+    assert ret.dtype == torch.bool and ret.shape == (num_tokens,)
+    assert int(ret.sum()) == full and bool(ret[:full].all())
+    assert_same_tokens(kv, slots, kv2, slots2, spec, full)
+    assert written_slots(kv2, spec) <= {int(s) for s in slots2[:full]}  # nothing written elsewhere
+    stats = engine.stats.snapshot()
+    assert stats["hit_tokens"] == full and stats["stored_tokens"] == full
+    engine.close()
+
+
+@pytest.mark.parametrize("layout", ["vllm_cpu", "mla"])
+def test_unfull_chunk_and_mask(layout):
+    spec = KVSpec(layout=layout, num_blocks=12, block_size=8)
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.1, "save_unfull_chunk": True})
+    engine = make_engine(spec, cfg)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 45)
+    tokens = list(range(100, 145))
+    mask = torch.tensor([False] * CHUNK + [True] * (45 - CHUNK))
+    assert engine.store(tokens, mask, kvcaches=kv, slot_mapping=slots) == 45 - CHUNK
+    assert engine.lookup(tokens) == 0  # the head chunk was never stored: no prefix
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == CHUNK  # only the missing head
+    assert engine.lookup(tokens) == 45
+
+    kv2 = [torch.zeros_like(t) for t in kv]
+    ret = engine.retrieve(tokens, mask, kvcaches=kv2, slot_mapping=slots)
+    assert ret.tolist() == [False] * CHUNK + [True] * (45 - CHUNK)
+    assert_same_tokens(kv, slots[CHUNK:], kv2, slots[CHUNK:], spec, 45 - CHUNK)
+    assert written_slots(kv2, spec) == {int(s) for s in slots[CHUNK:]}
+    engine.close()
+
+
+def test_negative_slots():
+    spec = KVSpec(num_blocks=12, block_size=8)
+    engine = make_engine(spec)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 64)
+    tokens = list(range(64))
+    bad = slots.clone()
+    bad[40] = -1
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=bad) == 32  # chunks before the bad slot only
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == 32
+    kv2 = [torch.zeros_like(t) for t in kv]
+    skip = slots.clone()
+    skip[:5] = -1  # e.g. tokens the engine does not want written
+    ret = engine.retrieve(tokens, kvcaches=kv2, slot_mapping=skip)
+    assert int(ret.sum()) == 64
+    assert written_slots(kv2, spec) == {int(s) for s in slots[5:]}
+    assert_same_tokens(kv, slots[5:], kv2, slots[5:], spec, 59)
+    engine.close()
+
+
+def test_partial_hit_and_salt():
+    spec = KVSpec(num_blocks=12, block_size=8)
+    engine = make_engine(spec)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 64)
+    tokens = list(range(64))
+    engine.store(tokens[:32], kvcaches=kv, slot_mapping=slots[:32], cache_salt="alice")
+    assert engine.lookup(tokens, cache_salt="alice") == 32
+    assert engine.lookup(tokens) == 0 and engine.lookup(tokens, cache_salt="bob") == 0
+    kv2 = [torch.zeros_like(t) for t in kv]
+    ret = engine.retrieve(tokens, kvcaches=kv2, slot_mapping=slots, cache_salt="alice")
+    assert ret.tolist() == [True] * 32 + [False] * 32
+    assert int(engine.retrieve(tokens, kvcaches=kv2, slot_mapping=slots).sum()) == 0
+    engine.close()
+
+
+def test_pool_full_skips_store_and_counts():
+    spec = KVSpec(num_blocks=64, block_size=16, num_heads=8, head_size=64)
+    # 16-token chunk = 2 layers * 2 * 16 * 512 * 4 B = 128 KiB; pool of 300 KiB holds 2 chunks
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 300 / (1 << 20)})
+    engine = make_engine(spec, cfg)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 64)
+    tokens = list(range(64))
+    assert engine.lookup(tokens, pin=False) == 0
+    engine.store(tokens[:32], kvcaches=kv, slot_mapping=slots[:32])
+    assert engine.lookup(tokens[:32], pin=True) == 32
+    stored = engine.store(tokens, kvcaches=kv, slot_mapping=slots)  # pinned head cannot be evicted
+    assert stored == 0 and engine.stats.snapshot()["store_skipped_chunks"] == 2
+    engine.lookup_unpin(tokens[:32])
+    assert engine.store(list(range(1000, 1032)), kvcaches=kv, slot_mapping=slots[:32]) == 32
+    assert engine.stats.snapshot()["evictions"] >= 2
+    engine.close()
+
+
+def test_builder_registry_and_bad_input():
+    spec = KVSpec()
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.05})
+    md = make_metadata(spec, CHUNK)
+    conn = make_connector(spec, CHUNK)
+    e1 = LMCacheEngineBuilder.get_or_create("t1", cfg, md, conn)
+    assert LMCacheEngineBuilder.get_or_create("t1", cfg, md, conn) is e1
+    with pytest.raises(ValueError, match="different metadata"):
+        LMCacheEngineBuilder.get_or_create("t1", cfg, make_metadata(spec, CHUNK, "other"), conn)
+    with pytest.raises(ValueError, match="kvcaches: expected 2 layer tensors"):
+        e1.store(list(range(16)), kvcaches=random_kv_caches(spec)[:1], slot_mapping=torch.arange(16))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        e1.store(list(range(16)), kvcaches=random_kv_caches(spec), slot_mapping=None)
+    LMCacheEngineBuilder.destroy("t1")
+    assert LMCacheEngineBuilder.get("t1") is None
