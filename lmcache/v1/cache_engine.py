@@ -102,7 +102,7 @@ class LMCacheEngine:
     def store(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
         """Copy the KV of ``tokens`` (where ``mask`` is True) into the cache.
 
-        Chunks already cached are skipped; chunks containing a negative slot are not
+        The already-cached prefix of chunks is skipped; chunks containing a negative slot are not
         stored (their KV is not in the paged cache), nor is anything after them. If the
         pool is full even after eviction, the rest of the request is skipped and
         counted (``stats.store_skipped_chunks``); this is not an error.
@@ -116,7 +116,10 @@ class LMCacheEngine:
             return 0
         connector = self._connector()
         limit = self._first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
-        todo = [s for s in spans if s.end <= limit and not self.storage_manager.contains(s.key)]
+        spans = [s for s in spans if s.end <= limit]
+        # one batched lookup (one round trip for remote tiers): skip the cached prefix
+        cached = self.storage_manager.batched_contains([s.key for s in spans])
+        todo = [s for s in spans[cached:] if not self.storage_manager.is_resident(s.key)]
         objs: list[MemoryObj] = []
         for span in todo:
             obj = self.storage_manager.allocate(connector.get_shape(span.end - span.start), self.metadata.kv_dtype, connector.fmt)

@@ -160,6 +160,10 @@ class StorageManager:
             found += backend.batched_contains(keys[found:])
         return found
 
+    def is_resident(self, key: CacheEngineKey) -> bool:
+        """Whether L1 holds the key (in-memory check, never I/O)."""
+        return self.local_cpu.contains(key)
+
     def unpin(self, key: CacheEngineKey) -> bool:
         return self.local_cpu.unpin(key)
 
