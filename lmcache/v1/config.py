@@ -131,6 +131,8 @@ _PARSERS = {
     "max_local_disk_size": _as_float,
     "remote_url": _as_opt_str,
     "remote_timeout": _as_float,
+    "remote_username": _as_opt_str,
+    "remote_password": _as_opt_str,
     "save_unfull_chunk": _as_bool,
     "use_layerwise": _as_bool,
     "cache_policy": _as_policy,
@@ -156,6 +158,8 @@ class LMCacheEngineConfig:
     max_local_disk_size: float = 0.0
     remote_url: str | None = None
     remote_timeout: float = 5.0
+    remote_username: str | None = None
+    remote_password: str | None = field(default=None, repr=False)  # never logged
     save_unfull_chunk: bool = False
     use_layerwise: bool = False
     cache_policy: str = "LRU"
@@ -201,6 +205,8 @@ class LMCacheEngineConfig:
             key = str(raw_key).lower()
             parser = _PARSERS.get(key)
             if parser is None:
+                if key == "ec" or key.startswith("ec_"):
+                    continue  # encoder-cache overrides: read by load_ec_engine_config
                 warn_unknown_key(key, source)
                 continue
             setattr(self, key, parser(key, value))
@@ -296,55 +302,78 @@ def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 # ------------------------------------------------------------------- encoder cache
 EC_DEFAULT_CPU_SIZE_GIB = 1.0
 EC_DEFAULT_DISK_SIZE_GIB = 64.0
+EC_KEY_PREFIX = "ec_"
+EC_MAP_KEY = "ec"
+
+
+def _ec_file_overrides(path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(ec_ keys, nested ec: map)`` of the YAML file at ``path``, keys lower-cased and unprefixed."""
+    if not path:
+        return {}, {}
+    try:
+        data = _read_yaml(path)
+    except ConfigError as exc:
+        logger.warning("encoder cache: no EC overrides read from the config file (%s)", exc)
+        return {}, {}
+    prefixed = {
+        key[len(EC_KEY_PREFIX) :].lower(): value
+        for key, value in data.items()
+        if isinstance(key, str) and key.lower().startswith(EC_KEY_PREFIX)
+    }
+    nested: dict[str, Any] = {}
+    raw = next((v for k, v in data.items() if isinstance(k, str) and k.lower() == EC_MAP_KEY), None)
+    if isinstance(raw, Mapping):
+        nested = {str(k).lower(): v for k, v in raw.items()}
+    elif raw is not None:
+        logger.warning("encoder cache: %r in %s is %r, not a mapping; ignored", EC_MAP_KEY, path, raw)
+    return prefixed, nested
 
 
 def load_ec_engine_config(base: LMCacheEngineConfig | None = None) -> LMCacheEngineConfig:
     """The encoder-cache engine's config: a clone of ``base`` with EC overrides applied.
 
-    ``base`` None means :meth:`LMCacheEngineConfig.load`. Overrides, later wins:
-    ``ec_<key>`` keys of the YAML file, then the nested ``ec:`` map of the YAML file,
-    then ``LMCACHE_EC_<KEY>`` env vars. Unknown EC keys are logged and dropped.
-    Afterwards ``local_cpu`` is forced on, ``max_local_cpu_size`` is 1 GiB unless an EC
-    override sets it (the EC budget is separate from the KV one), and
-    ``max_local_disk_size`` is 64 GiB unless an EC override sets it, only when
-    ``local_disk`` is set. No disk path is ever invented.
+    ``base`` None means :meth:`LMCacheEngineConfig.load`. The EC overrides come from
+    the YAML file named by ``LMCACHE_CONFIG_FILE`` (whether or not ``base`` came from
+    it) and the environment; later wins:
+
+    1. ``ec_<key>: value`` top-level YAML keys,
+    2. the nested ``ec: {<key>: value}`` YAML map,
+    3. ``LMCACHE_EC_<KEY>`` environment variables.
+
+    Values are parsed and validated like the base keys (a bad value raises
+    :class:`ConfigError` naming ``ec_<key>``); unknown EC keys are logged and dropped.
+    Then: ``local_cpu`` is forced on; ``max_local_cpu_size`` is 1 GiB unless an EC
+    override sets it (the EC budget is separate from the KV one, so the base value
+    is not inherited); if ``local_disk`` is set (inherited or overridden),
+    ``max_local_disk_size`` is 64 GiB unless an EC override sets it. No disk path is
+    ever invented: without ``local_disk`` entries live in CPU memory only. The
+    hidden-state cache and the layerwise path are switched off (EC has neither).
     The caller's ``base`` is never mutated.
     """
     cfg = (base if base is not None else LMCacheEngineConfig.load()).copy()
-    file_data: dict[str, Any] = {}
-    path = os.environ.get(CONFIG_FILE_ENV)
-    if path:
-        try:
-            file_data = _read_yaml(path)
-        except ConfigError:
-            logger.warning("encoder cache: cannot read %s for ec overrides; using base config", path)
+    prefixed, nested = _ec_file_overrides(os.environ.get(CONFIG_FILE_ENV))
     overrides: dict[str, Any] = {}
-    for key, value in file_data.items():
-        if isinstance(key, str) and key.startswith("ec_"):
-            overrides[key[3:]] = value
-    nested = file_data.get("ec")
-    if nested is not None:
-        if isinstance(nested, Mapping):
-            overrides.update({str(k): v for k, v in nested.items()})
-        else:
-            logger.warning("encoder cache: 'ec' in %s is not a mapping; ignored", path)
-    overrides.update(env_overrides(EC_ENV_PREFIX))
+    for source in (prefixed, nested, env_overrides(EC_ENV_PREFIX)):
+        overrides.update(source)
 
-    known = {k: v for k, v in overrides.items() if k.lower() in _PARSERS}
-    for key in overrides.keys() - known.keys():
-        logger.warning("encoder cache: unknown EC config key %r dropped", key)
-    cpu_size_set = "max_local_cpu_size" in {k.lower() for k in known}
-    disk_size_set = "max_local_disk_size" in {k.lower() for k in known}
+    known: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key in _PARSERS:
+            known[key] = value
+        else:
+            close = difflib.get_close_matches(key, _PARSERS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            logger.warning("encoder cache: unknown EC config key %r dropped%s", key, hint)
 
     for key, value in known.items():
-        key = key.lower()
-        setattr(cfg, key, _PARSERS[key](f"ec_{key}", value))
+        setattr(cfg, key, _PARSERS[key](f"{EC_KEY_PREFIX}{key}", value))
+    if "local_cpu" in known and not cfg.local_cpu:
+        logger.warning("encoder cache: ec_local_cpu=false ignored; the encoder cache always keeps a CPU tier")
     cfg.local_cpu = True
-    if not cpu_size_set:
+    if "max_local_cpu_size" not in known:
         cfg.max_local_cpu_size = EC_DEFAULT_CPU_SIZE_GIB
-    if cfg.local_disk is not None and not disk_size_set:
+    if cfg.local_disk is not None and "max_local_disk_size" not in known:
         cfg.max_local_disk_size = EC_DEFAULT_DISK_SIZE_GIB
-    # The EC engine has no hidden states and no layerwise path.
     cfg.enable_hidden_state_cache = False
     cfg.use_layerwise = False
     cfg.validate()
