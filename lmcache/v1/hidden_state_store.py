@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,6 +57,7 @@ import torch
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.token_database import ChunkSpan, TokenInput, tokens_to_array
 
@@ -79,7 +80,7 @@ class HSKey:
 
 
 @dataclass(slots=True)
-class HiddenStateStats:
+class HiddenStateStats(Counters):
     """Counters of one store. Read with :meth:`snapshot`."""
 
     stored_tokens: int = 0
@@ -94,24 +95,6 @@ class HiddenStateStats:
     """Chunks not stored: pool full even after eviction."""
     incomplete_chunks: int = 0
     """Chunks not stored: ``token_offset`` fell inside them and their earlier rows were not cached."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "stored_tokens": self.stored_tokens,
-                "retrieve_requests": self.retrieve_requests,
-                "hit_tokens": self.hit_tokens,
-                "evictions": self.evictions,
-                "orphans_dropped": self.orphans_dropped,
-                "skipped_chunks": self.skipped_chunks,
-                "incomplete_chunks": self.incomplete_chunks,
-            }
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:

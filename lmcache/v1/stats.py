@@ -8,8 +8,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
-class CacheStats:
-    """Counters of one engine. Read with :meth:`snapshot`; update with :meth:`add`."""
+class Counters:
+    """Base of every counter set: integer fields, updated under one lock.
+
+    Subclasses declare their counters as ``int`` fields with default 0.
+    """
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        """Add each ``name=delta`` atomically."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        """A consistent copy of all counters."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+
+@dataclass(slots=True)
+class CacheStats(Counters):
+    """Counters of one KV engine."""
 
     store_requests: int = 0
     stored_tokens: int = 0
@@ -23,13 +44,3 @@ class CacheStats:
     lookup_hit_tokens: int = 0
     evictions: int = 0
     load_errors: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
