@@ -109,6 +109,10 @@ class LMCacheEngine:
         Returns the number of tokens newly stored. The engine keeps no reference to
         the caller's tensors.
         """
+        if self.config.use_layerwise:
+            from lmcache.v1.layerwise import store_all
+
+            return store_all(self, tokens, mask, **kwargs)
         req = _split_kwargs(kwargs)
         spans = self._spans(tokens, mask, req.key_extras)
         self.stats.add(store_requests=1)
@@ -150,6 +154,10 @@ class LMCacheEngine:
         Returns a CPU bool tensor, True where KV was written back. Chunks where
         ``mask`` is False are neither read nor written.
         """
+        if self.config.use_layerwise:
+            from lmcache.v1.layerwise import retrieve_all
+
+            return retrieve_all(self, tokens, mask, **kwargs)
         req = _split_kwargs(kwargs)
         n = len(tokens)
         ret = torch.zeros(n, dtype=torch.bool)
@@ -178,14 +186,25 @@ class LMCacheEngine:
         the last chunk is partial). ``pin=True`` keeps those L1 entries from eviction
         until :meth:`lookup_unpin`."""
         spans = self._spans(tokens, None, _split_kwargs(kwargs).key_extras)
-        found = self.storage_manager.batched_contains([s.key for s in spans], pin=pin)
+        if self.config.use_layerwise:
+            from lmcache.v1.layerwise import contains_prefix
+
+            found = contains_prefix(self.storage_manager, [s.key for s in spans], self.metadata.num_layers, pin=pin)
+        else:
+            found = self.storage_manager.batched_contains([s.key for s in spans], pin=pin)
         hit = spans[found - 1].end if found else 0
         self.stats.add(lookup_requests=1, lookup_tokens=len(tokens), lookup_hit_tokens=hit)
         return hit
 
     def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:
         """Undo the pins of a ``lookup(tokens, pin=True)`` with the same key extras."""
-        for span in self._spans(tokens, None, _split_kwargs(kwargs).key_extras):
+        spans = self._spans(tokens, None, _split_kwargs(kwargs).key_extras)
+        if self.config.use_layerwise:
+            from lmcache.v1.layerwise import unpin_all
+
+            unpin_all(self.storage_manager, [s.key for s in spans], self.metadata.num_layers)
+            return
+        for span in spans:
             self.storage_manager.unpin(span.key)
 
     # ------------------------------------------------------------------ layerwise

@@ -11,6 +11,11 @@ import torch
 
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.layerwise import (
+    LayerwiseGPUConnector,
+    VLLMBufferLayerwiseGPUConnector,
+    VLLMPagedMemLayerwiseGPUConnector,
+)
 from lmcache.v1.gpu_connector.paged import VLLMPagedMemGPUConnectorV2
 from lmcache.v1.metadata import LMCacheEngineMetadata
 
@@ -71,8 +76,14 @@ def random_slot_mapping(spec: KVSpec, num_tokens: int, *, seed: int = 0) -> torc
     return slots[:num_tokens].to(torch.int64)
 
 
-def make_connector(spec: KVSpec, chunk_size: int, device: str = "cpu") -> VLLMPagedMemGPUConnectorV2:
-    return VLLMPagedMemGPUConnectorV2(
+def make_connector(
+    spec: KVSpec, chunk_size: int, device: str = "cpu", *, layerwise: bool = False, buffered: bool = False
+) -> VLLMPagedMemGPUConnectorV2 | LayerwiseGPUConnector:
+    """The bulk connector, or with ``layerwise`` the layerwise one (``buffered``: the Buffer variant)."""
+    cls = VLLMPagedMemGPUConnectorV2
+    if layerwise:
+        cls = VLLMBufferLayerwiseGPUConnector if buffered else VLLMPagedMemLayerwiseGPUConnector
+    return cls(
         spec.hidden,
         spec.num_layers,
         chunk_size=chunk_size,
@@ -90,7 +101,22 @@ def make_metadata(spec: KVSpec, chunk_size: int, model_name: str = "test-model")
     )
 
 
-def make_engine(spec: KVSpec, config: LMCacheEngineConfig | None = None, *, model_name: str = "test-model") -> LMCacheEngine:
-    """A standalone engine (not registered with the builder) for ``spec``."""
+def make_engine(
+    spec: KVSpec,
+    config: LMCacheEngineConfig | None = None,
+    *,
+    model_name: str = "test-model",
+    layerwise: bool | None = None,
+    buffered: bool = False,
+) -> LMCacheEngine:
+    """A standalone engine (not registered with the builder) for ``spec``.
+
+    ``layerwise`` None follows ``config.use_layerwise``; True/False overrides it (on a
+    copy of ``config``) and pairs the engine with the matching connector.
+    """
     cfg = config or LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.25})
-    return LMCacheEngine(cfg, make_metadata(spec, cfg.chunk_size, model_name), make_connector(spec, cfg.chunk_size))
+    if layerwise is not None and layerwise != cfg.use_layerwise:
+        cfg = cfg.copy()
+        cfg.use_layerwise = layerwise
+    connector = make_connector(spec, cfg.chunk_size, layerwise=cfg.use_layerwise, buffered=buffered)
+    return LMCacheEngine(cfg, make_metadata(spec, cfg.chunk_size, model_name), connector)

@@ -85,11 +85,13 @@ def _gather_torch(kv_layers, geom, slot_mapping, starts, dsts) -> None:
             for c, (flat, view) in enumerate(comps):
                 got = view.index_select(0, slots) if flat else view[blk, off]
                 target = dst_i[c, l]
-                got = got.reshape(got.shape[0], h * d).to(target.device, non_blocking=True)
+                got = got.reshape(got.shape[0], h * d)
                 if rows is None:
-                    target.copy_(got)
+                    # device -> pinned host copies stay asynchronous; the connector
+                    # synchronises its stream before the objects are used
+                    target.copy_(got, non_blocking=True)
                 else:
-                    target[rows.to(target.device)] = got
+                    target[rows.to(target.device)] = got.to(target.device)
 
 
 def _scatter_torch(kv_layers, geom, slot_mapping, starts, srcs) -> None:
@@ -112,10 +114,6 @@ def _scatter_torch(kv_layers, geom, slot_mapping, starts, srcs) -> None:
                     view[blk, off] = values
 
 
-def _native_args(kv_layers: Sequence[torch.Tensor], geom: PagedGeometry):
-    return [c.as_tuple() for c in geom.components], geom.block_size, geom.num_heads, geom.head_size
-
-
 def paged_gather(
     kv_layers: Sequence[torch.Tensor],
     geom: PagedGeometry,
@@ -129,9 +127,8 @@ def paged_gather(
     if not dsts:
         return
     mod = native.load() if (native_enabled() if use_native is None else use_native) else None
-    if mod is not None and native.supports(mod, kv_layers[0], dsts[0]):
-        comps, bs, h, d = _native_args(kv_layers, geom)
-        mod.paged_gather(list(kv_layers), comps, bs, h, d, slot_mapping.to(torch.int64), list(starts), list(dsts))
+    if mod is not None and native.supports(mod, kv_layers[0], dsts):
+        mod.paged_gather(kv_layers, geom, slot_mapping, starts, dsts)
         return
     _gather_torch(kv_layers, geom, slot_mapping.to(torch.int64), starts, dsts)
 
@@ -149,8 +146,7 @@ def paged_scatter(
     if not srcs:
         return
     mod = native.load() if (native_enabled() if use_native is None else use_native) else None
-    if mod is not None and native.supports(mod, kv_layers[0], srcs[0]):
-        comps, bs, h, d = _native_args(kv_layers, geom)
-        mod.paged_scatter(list(kv_layers), comps, bs, h, d, slot_mapping.to(torch.int64), list(starts), list(srcs))
+    if mod is not None and native.supports(mod, kv_layers[0], srcs):
+        mod.paged_scatter(kv_layers, geom, slot_mapping, starts, srcs)
         return
     _scatter_torch(kv_layers, geom, slot_mapping.to(torch.int64), starts, srcs)

@@ -144,7 +144,17 @@ class StorageManager:
         available as early as possible.
         """
         for keys in keys_per_layer:
-            futures = [self.get_non_blocking(k) for k in keys]
+            # L1 hits are read inline (no per-key future); the rest go to the tiers' futures.
+            resident: list[MemoryObj] = []
+            for key in keys:
+                obj = self.local_cpu.get_blocking(key)
+                if obj is None:
+                    break
+                resident.append(obj)
+            if len(resident) == len(keys):
+                yield _done(resident)
+                continue
+            futures = [_done(o) for o in resident] + [self.get_non_blocking(k) for k in keys[len(resident) :]]
             yield _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups

@@ -1,0 +1,341 @@
+"""Layerwise connectors: one layer of a batch of chunks per ``next()``/``send()``.
+
+The layerwise pipeline (:mod:`lmcache.v1.layerwise`) moves KV between the paged cache
+and per-layer :class:`~lmcache.v1.memory_management.MemoryObj` s of format ``KV_T2D``
+(``[tokens, num_kv, hidden]``: K and V, or the single MLA latent, of one layer of one
+chunk) while the forward pass runs. Two variants share one protocol:
+
+* :class:`VLLMPagedMemLayerwiseGPUConnector` copies straight between the paged layer
+  and the objects;
+* :class:`VLLMBufferLayerwiseGPUConnector` stages each layer through a contiguous
+  temporary buffer on the KV device (the spec's ``use_gpu`` load/store buffers), so the
+  host <-> device transfer is one contiguous copy per object and the paged
+  gather/scatter runs device-local. Blending builds on this variant.
+
+Streams and synchronisation (CUDA only; on CPU every copy is complete when the call
+returns and stream handling is a no-op):
+
+* loads run on ``load_stream``, stores on ``store_stream``, both distinct from the
+  forward pass's current stream;
+* store, ``sync=True`` (the *first* request of a batch): before each layer's copy the
+  store stream waits for the current stream, so the copy sees the layer's KV just
+  written by the forward pass. Later requests of the batch enqueue on the same store
+  stream after that wait and need none of their own;
+* load, ``sync=True`` (the *last* request of a batch): when layer ``i+1`` is sent (and at
+  the final ``next()``), the current stream first waits for the event recorded after
+  this request's layer ``i`` copy. Since every request's layer ``i`` copy was enqueued
+  on the load stream before it, the forward pass's layer ``i`` then sees the KV of the
+  whole batch, while layer ``i+1``'s copies still overlap with layer ``i``'s compute.
+
+Each copied layer yields a :class:`LayerCopy`; its memory objects must stay referenced
+until ``LayerCopy.done()`` (or after ``wait()``). The connector never takes or drops
+references.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, Generator, Sequence
+
+import torch
+
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector import copy_ops
+from lmcache.v1.gpu_connector.layouts import PagedGeometry
+from lmcache.v1.gpu_connector.paged import PagedKVBase, VLLMPagedMemGPUConnectorV2
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCopy:
+    """Completion handle of one layer's copy.
+
+    ``event`` is None when the copy was synchronous (CPU), so it is already complete.
+    """
+
+    layer: int
+    event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        """Non-blocking: whether the copy has finished (its objects may be released)."""
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        """Block the calling thread until the copy has finished."""
+        if self.event is not None:
+            self.event.synchronize()
+
+
+StoreGenerator = Generator[LayerCopy, None, None]
+LoadGenerator = Generator["LayerCopy | None", "Sequence[MemoryObj] | None", None]
+
+
+def _check_spans(starts: Sequence[int], ends: Sequence[int]) -> None:
+    if len(starts) != len(ends):
+        raise ValueError(f"starts/ends: lengths differ ({len(starts)}, {len(ends)})")
+    for s, e in zip(starts, ends):
+        if not 0 <= s < e:
+            raise ValueError(f"starts/ends: span [{s}, {e}) is empty or negative")
+
+
+def _contiguous_run(starts: Sequence[int], ends: Sequence[int]) -> bool:
+    """Whether the spans are back to back (one copy can cover them all)."""
+    return all(ends[i] == starts[i + 1] for i in range(len(starts) - 1))
+
+
+class LayerwiseGPUConnector(PagedKVBase):
+    """Shared protocol of the layerwise connectors (see the module docstring).
+
+    Called from the worker thread that runs the forward pass. Constructor arguments are
+    those of :class:`~lmcache.v1.gpu_connector.paged.VLLMPagedMemGPUConnectorV2`.
+
+    Copy keyword arguments: ``kvcaches`` (list of per-layer tensors, or the ones given
+    to :meth:`register_kv_caches`), ``slot_mapping`` (one slot per token, negative =
+    skip) and ``sync`` (default True; see the module docstring for its meaning in each
+    direction).
+    """
+
+    @property
+    def fmt(self) -> MemoryFormat:
+        return MemoryFormat.KV_T2D
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        """``[num_tokens, num_kv, hidden]``: one layer of one chunk (num_kv is 1 for MLA)."""
+        return torch.Size([num_tokens, self.num_kv, self.hidden_dim_size])
+
+    # ------------------------------------------------------------------ helpers
+    def _kernel_view(self, obj: MemoryObj, start: int, end: int) -> torch.Tensor:
+        """The ``[num_kv, 1, T, hidden]`` view of a KV_T2D object that copy_ops expects."""
+        t = obj.tensor
+        if t is None:
+            raise ValueError("MemoryObj used after it was freed")
+        if tuple(t.shape) != tuple(self.get_shape(end - start)):
+            raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold one layer of tokens [{start}, {end})")
+        return t.permute(1, 0, 2).unsqueeze(1)
+
+    def _stream_of(self, stream: torch.cuda.Stream | None, kv: torch.Tensor) -> torch.cuda.Stream | None:
+        """The side stream to use for ``kv``, or None when copies are synchronous (CPU)."""
+        return stream if stream is not None and kv.device.type == "cuda" else None
+
+    def _run_layer(self, stream: torch.cuda.Stream | None, layer: int, body) -> LayerCopy:
+        if stream is None:
+            body()
+            return LayerCopy(layer)
+        with torch.cuda.stream(stream):
+            body()
+        event = torch.cuda.Event()
+        event.record(stream)
+        return LayerCopy(layer, event)
+
+    @abstractmethod
+    def _gather_layer(
+        self,
+        layer_kv: torch.Tensor,
+        geom: PagedGeometry,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        ends: Sequence[int],
+        objs: Sequence[MemoryObj],
+    ) -> None:
+        """Paged layer -> objs (runs on the store stream when on CUDA)."""
+
+    @abstractmethod
+    def _scatter_layer(
+        self,
+        layer_kv: torch.Tensor,
+        geom: PagedGeometry,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        ends: Sequence[int],
+        objs: Sequence[MemoryObj],
+    ) -> None:
+        """objs -> paged layer (runs on the load stream when on CUDA)."""
+
+    # ------------------------------------------------------------------ generators
+    def batched_from_gpu(
+        self,
+        objs_per_layer: Sequence[Sequence[MemoryObj]],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        **kwargs: Any,
+    ) -> StoreGenerator:
+        """Store generator: the ``i``-th ``next()`` copies layer ``i`` into ``objs_per_layer[i]``.
+
+        Exactly ``num_layers`` ``next()`` calls; each returns the layer's
+        :class:`LayerCopy`. ``objs_per_layer[i][j]`` receives chunk ``j`` (tokens
+        ``[starts[j], ends[j])``) of layer ``i``; the caller owns every object before and
+        after. Arguments are checked when the generator is created.
+        """
+        _check_spans(starts, ends)
+        if len(objs_per_layer) != self.num_layers:
+            raise ValueError(f"objs_per_layer: expected {self.num_layers} layers, got {len(objs_per_layer)}")
+        for layer, objs in enumerate(objs_per_layer):
+            if len(objs) != len(starts):
+                raise ValueError(f"objs_per_layer[{layer}]: expected {len(starts)} objects, got {len(objs)}")
+        kvcaches, slots, geom = self._kv_and_slots(kwargs)
+        sync = bool(kwargs.get("sync", True))
+        return self._from_gpu_steps(kvcaches, slots, geom, objs_per_layer, list(starts), list(ends), sync)
+
+    def _from_gpu_steps(self, kvcaches, slots, geom, objs_per_layer, starts, ends, sync) -> StoreGenerator:
+        stream = self._stream_of(self.store_stream, kvcaches[0])
+        for layer in range(self.num_layers):
+            if stream is not None and sync:
+                stream.wait_stream(torch.cuda.current_stream(kvcaches[layer].device))
+            objs = objs_per_layer[layer]
+            yield self._run_layer(
+                stream, layer, lambda: self._gather_layer(kvcaches[layer], geom, slots, starts, ends, objs)
+            )
+
+    def batched_to_gpu(self, starts: Sequence[int], ends: Sequence[int], **kwargs: Any) -> LoadGenerator:
+        """Load generator, ``num_layers + 2`` steps, objects handed in per layer.
+
+        Protocol::
+
+            gen = connector.batched_to_gpu(starts, ends, kvcaches=..., slot_mapping=...)
+            next(gen)                        # setup; returns None
+            for layer in range(num_layers):
+                handle = gen.send(objs)      # copy layer `layer`; returns its LayerCopy
+            next(gen)                        # final ordering; returns None
+
+        ``objs`` holds the layer's objects for a prefix of the chunks (fewer than
+        ``len(starts)`` when storage returned fewer; an empty list copies nothing). Only
+        those chunks are written. The caller owns the objects and keeps them referenced
+        until the layer's handle is done.
+        """
+        _check_spans(starts, ends)
+        kvcaches, slots, geom = self._kv_and_slots(kwargs)
+        sync = bool(kwargs.get("sync", True))
+        return self._to_gpu_steps(kvcaches, slots, geom, list(starts), list(ends), sync)
+
+    def _to_gpu_steps(self, kvcaches, slots, geom, starts, ends, sync) -> LoadGenerator:
+        stream = self._stream_of(self.load_stream, kvcaches[0])
+        device = kvcaches[0].device
+        if stream is not None:
+            # Blocks being filled may have been read by work still queued on the current stream.
+            stream.wait_stream(torch.cuda.current_stream(device))
+        previous: LayerCopy | None = None
+        objs = yield None
+        for layer in range(self.num_layers):
+            if objs is None:
+                raise ValueError(f"batched_to_gpu: layer {layer} needs its MemoryObjs via send(), got None")
+            if len(objs) > len(starts):
+                raise ValueError(f"batched_to_gpu: layer {layer} got {len(objs)} objects for {len(starts)} chunks")
+            if sync and previous is not None and previous.event is not None:
+                torch.cuda.current_stream(device).wait_event(previous.event)
+            k = len(objs)
+            layer_objs = list(objs)
+            previous = self._run_layer(
+                stream,
+                layer,
+                lambda: self._scatter_layer(kvcaches[layer], geom, slots, starts[:k], ends[:k], layer_objs),
+            )
+            objs = yield previous
+        if sync and previous is not None and previous.event is not None:
+            torch.cuda.current_stream(device).wait_event(previous.event)
+        yield None
+
+
+class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
+    """Layerwise copies straight between the paged layer and KV_T2D objects."""
+
+    def _gather_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
+        if objs:
+            dsts = [self._kernel_view(o, s, e) for o, s, e in zip(objs, starts, ends)]
+            copy_ops.paged_gather([layer_kv], geom, slots, starts, dsts)
+
+    def _scatter_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
+        if objs:
+            srcs = [self._kernel_view(o, s, e) for o, s, e in zip(objs, starts, ends)]
+            copy_ops.paged_scatter([layer_kv], geom, slots, starts, srcs)
+
+
+class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
+    """Layerwise copies staged through one contiguous buffer per direction on the KV device.
+
+    Store: paged layer -> buffer (device-local gather) -> one contiguous copy per object.
+    Load: one contiguous copy per object -> buffer -> paged layer (device-local scatter).
+    The buffers are ``[tokens, num_kv, hidden]`` (KV_T2D order, so each object's slice is
+    contiguous), grow to the largest request seen and are reused; each is used only on
+    its own stream, so consecutive layers and requests are ordered on it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, num_tokens: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape[0] < num_tokens or buf.device != like.device or buf.dtype != like.dtype:
+            size = max(num_tokens, self.chunk_size)
+            buf = torch.empty((size, self.num_kv, self.hidden_dim_size), dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf
+
+    @staticmethod
+    def _offsets(starts: Sequence[int], ends: Sequence[int]) -> list[int]:
+        offs, total = [], 0
+        for s, e in zip(starts, ends):
+            offs.append(total)
+            total += e - s
+        offs.append(total)
+        return offs
+
+    def _staged_views(self, buf: torch.Tensor, starts, ends, offs) -> tuple[list[int], list[torch.Tensor]]:
+        """Kernel starts and ``[num_kv, 1, T, hidden]`` buffer views covering the spans."""
+        kview = buf.permute(1, 0, 2).unsqueeze(1)
+        if _contiguous_run(starts, ends):
+            return [starts[0]], [kview[:, :, : offs[-1]]]
+        return list(starts), [kview[:, :, offs[j] : offs[j + 1]] for j in range(len(starts))]
+
+    def _gather_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
+        if not objs:
+            return
+        for o, s, e in zip(objs, starts, ends):
+            self._kernel_view(o, s, e)  # validates shapes
+        offs = self._offsets(starts, ends)
+        buf = self._buffer("store", offs[-1], layer_kv)
+        kstarts, views = self._staged_views(buf, starts, ends, offs)
+        copy_ops.paged_gather([layer_kv], geom, slots, kstarts, views)
+        non_blocking = layer_kv.device.type == "cuda"
+        for j, obj in enumerate(objs):
+            obj.tensor.copy_(buf[offs[j] : offs[j + 1]], non_blocking=non_blocking)
+
+    def _scatter_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
+        if not objs:
+            return
+        for o, s, e in zip(objs, starts, ends):
+            self._kernel_view(o, s, e)  # validates shapes
+        offs = self._offsets(starts, ends)
+        buf = self._buffer("load", offs[-1], layer_kv)
+        non_blocking = layer_kv.device.type == "cuda"
+        for j, obj in enumerate(objs):
+            buf[offs[j] : offs[j + 1]].copy_(obj.tensor, non_blocking=non_blocking)
+        kstarts, views = self._staged_views(buf, starts, ends, offs)
+        copy_ops.paged_scatter([layer_kv], geom, slots, kstarts, views)
+
+
+def create_gpu_connector(
+    config: LMCacheEngineConfig,
+    hidden_dim_size: int,
+    num_layers: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    use_mla: bool = False,
+    layout: str | None = None,
+) -> PagedKVBase:
+    """The connector that matches ``config``.
+
+    ``use_layerwise: false`` -> :class:`VLLMPagedMemGPUConnectorV2` (bulk);
+    ``use_layerwise: true`` -> :class:`VLLMPagedMemLayerwiseGPUConnector`, or
+    :class:`VLLMBufferLayerwiseGPUConnector` when ``extra_config`` sets ``use_gpu`` or
+    ``enable_blending`` true. The caller owns the returned connector.
+    """
+    args = (hidden_dim_size, num_layers)
+    kw = dict(chunk_size=config.chunk_size, dtype=dtype, device=device, use_mla=use_mla, layout=layout)
+    if not config.use_layerwise:
+        return VLLMPagedMemGPUConnectorV2(*args, **kw)
+    if bool(config.get_extra("use_gpu", False)) or bool(config.get_extra("enable_blending", False)):
+        return VLLMBufferLayerwiseGPUConnector(*args, **kw)
+    return VLLMPagedMemLayerwiseGPUConnector(*args, **kw)

@@ -1,0 +1,424 @@
+"""Layerwise store and retrieve: KV moves one layer per ``next()``, pipelined with the forward pass.
+
+Keys: chunk ``j`` of a request has one :class:`~lmcache.utils.LayerCacheEngineKey` per
+layer (``key.split_layers(num_layers)``); each holds a ``KV_T2D`` object
+``[tokens, num_kv, hidden]``.
+
+Store generator (:func:`store_layer`), exactly ``num_layers + 1`` ``next()`` calls, all
+returning None:
+
+* call 0 allocates the objects of every (chunk, layer) upfront (so the store cannot run
+  out of pool memory half way and evict its own earlier layers) and copies layer 0;
+* call ``i`` (1 <= i < num_layers) copies layer ``i``;
+* after each copy, every layer whose copy has completed is handed to
+  ``StorageManager.batched_put`` (all its chunks at once). On CPU copies are
+  synchronous, so layer ``i`` is in storage when call ``i`` returns; on CUDA it is
+  published by the first call that finds its copy complete, at the latest the last one;
+* the last call waits for the remaining copies, publishes them, drops the generator's
+  references and updates the stats.
+
+Retrieve generator (:func:`retrieve_layer`), exactly ``num_layers + 2`` ``next()`` calls:
+
+* call 0 (setup) determines the retrievable prefix over *all* layers (a chunk counts
+  only if every layer of it and of all earlier chunks is present), pins the L1 entries
+  of that prefix so a concurrent store cannot evict them half way, starts layer 0's
+  reads and returns None;
+* call ``i + 1`` copies layer ``i`` into the paged KV (objects are allocated per layer,
+  on demand, by ``StorageManager.layerwise_batched_get``) after starting layer
+  ``i + 1``'s reads, so reading the next layer overlaps with copying this one; it
+  returns None;
+* the last call returns a CPU bool tensor, True for tokens whose KV was written for
+  every layer.
+
+Storage order: a layer's objects are published only when all its chunks are copied,
+and a retrieve never reports a token whose KV is missing for some layer. If an entry
+disappears between setup and its layer's read (a lower tier lost it), the retrieve
+continues with the shorter prefix, counts ``stats.load_errors`` and the final mask has
+fewer True tokens than the lookup promised. Tokens past the final mask may hold KV for
+some layers only: the caller (the vLLM adapter) must recompute them, never use them.
+
+Thread: the worker thread that runs the forward pass. Ownership: the generators own
+every object they allocate or get and release them themselves, also when a generator
+is closed (or garbage-collected) before its last call.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import torch
+
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.token_database import ChunkSpan, TokenInput
+
+if TYPE_CHECKING:
+    from lmcache.v1.cache_engine import LMCacheEngine
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- keys and lookups
+def layer_keys(keys: Sequence[CacheEngineKey], num_layers: int) -> list[list[LayerCacheEngineKey]]:
+    """Per layer, the layer keys of ``keys`` (``result[layer][chunk]``)."""
+    per_chunk = [k.split_layers(num_layers) for k in keys]
+    return [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)]
+
+
+def contains_prefix(
+    storage_manager: StorageManager, keys: Sequence[CacheEngineKey], num_layers: int, *, pin: bool = False
+) -> int:
+    """Number of leading chunks of ``keys`` present for every layer (the layerwise lookup).
+
+    ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``; undo
+    with :func:`unpin_all`. Non-blocking apart from lower-tier existence checks.
+    """
+    found = len(keys)
+    for layer_list in layer_keys(keys, num_layers):
+        if not found:
+            break
+        found = storage_manager.batched_contains(layer_list[:found], pin=pin)
+    return found
+
+
+def unpin_all(storage_manager: StorageManager, keys: Sequence[CacheEngineKey], num_layers: int) -> None:
+    """Undo the pins of :func:`contains_prefix` for ``keys``."""
+    for layer_list in layer_keys(keys, num_layers):
+        for key in layer_list:
+            storage_manager.unpin(key)
+
+
+def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> None:
+    """Re-order L1 recency so a request's tail chunks (all their layers) are evicted first.
+
+    Layerwise puts and gets touch keys layer by layer; afterwards the eviction order
+    would be "all of layer 0, then layer 1, ...". Chunk ``j`` is usable only if every
+    layer of chunks ``0..j`` is present, so evicting whole chunks from the tail wastes
+    the least.
+    """
+    if not keys_per_layer:
+        return
+    for chunk in reversed(range(len(keys_per_layer[0]))):
+        for layer_list in keys_per_layer:
+            storage_manager.local_cpu.touch(layer_list[chunk])
+
+
+def _release(objs: Sequence[MemoryObj | None]) -> None:
+    for obj in objs:
+        if obj is not None:
+            obj.ref_count_down()
+
+
+def _release_when_done(fut: Future) -> None:
+    """Drop the references a layer future will deliver to nobody."""
+
+    def _drop(f: Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            _release(f.result())
+
+    fut.add_done_callback(_drop)
+
+
+def _layerwise_connector(engine: LMCacheEngine) -> LayerwiseGPUConnector:
+    connector = engine.gpu_connector
+    if not isinstance(connector, LayerwiseGPUConnector):
+        raise ValueError(
+            f"gpu_connector: layerwise store/retrieve need a layerwise connector "
+            f"(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector), got {type(connector).__name__}"
+        )
+    if connector.num_layers != engine.metadata.num_layers:
+        raise ValueError(
+            f"gpu_connector: num_layers={connector.num_layers} does not match "
+            f"the metadata's num_layers={engine.metadata.num_layers}"
+        )
+    return connector
+
+
+def _first_negative_slot(slot_mapping: Any, n: int) -> int:
+    if not isinstance(slot_mapping, torch.Tensor):
+        return n
+    neg = (slot_mapping[:n] < 0).nonzero()
+    return int(neg[0, 0]) if neg.numel() else n
+
+
+# ---------------------------------------------------------------------- store
+@dataclass(slots=True)
+class StoreOutcome:
+    """What a finished store generator did (filled in by its last call)."""
+
+    stored_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _StoreState:
+    objs: list[list[MemoryObj]] = field(default_factory=list)  # [layer][chunk]
+    pending: list[LayerCopy] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        for handle in self.pending:
+            if not handle.done():
+                handle.wait()  # a copy in flight still writes into the objects
+        for layer_objs in self.objs:
+            _release(layer_objs)
+
+
+def store_layer(
+    engine: LMCacheEngine,
+    tokens: TokenInput,
+    mask: torch.Tensor | None = None,
+    *,
+    outcome: StoreOutcome | None = None,
+    **kwargs: Any,
+) -> Iterator[None]:
+    """Layerwise store generator: exactly ``num_layers + 1`` ``next()`` calls (module docstring).
+
+    kwargs as for ``LMCacheEngine.store`` plus ``sync`` (True for the first request of
+    a batch on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). Chunks already
+    cached for every layer, and chunks at or after the first negative slot, are not
+    stored. ``outcome``, if given, receives the number of stored tokens. The connector
+    is checked here; everything else happens in the ``next()`` calls.
+    """
+    from lmcache.v1.cache_engine import _split_kwargs
+
+    connector = _layerwise_connector(engine)
+    return _store_steps(engine, connector, tokens, mask, _split_kwargs(kwargs), outcome or StoreOutcome())
+
+
+def _store_steps(engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens, mask, req, outcome) -> Iterator[None]:
+    num_layers = engine.metadata.num_layers
+    sm = engine.storage_manager
+    state = _StoreState()
+    try:
+        # ---- call 0: plan, allocate every (chunk, layer) upfront, copy layer 0
+        spans: list[ChunkSpan] = engine.token_database.spans(tokens, mask, **req.key_extras)
+        engine.stats.add(store_requests=1)
+        if spans:
+            limit = _first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
+            spans = [s for s in spans if s.end <= limit]
+        keys = layer_keys([s.key for s in spans], num_layers)
+        todo = [j for j in range(len(spans)) if not all(sm.contains(keys[layer][j]) for layer in range(num_layers))]
+        todo = _allocate(engine, connector, spans, todo, state)
+        spans = [spans[j] for j in todo]
+        keys = [[layer_list[j] for j in todo] for layer_list in keys]
+        copier = None
+        if spans:
+            copier = connector.batched_from_gpu(
+                state.objs, [s.start for s in spans], [s.end for s in spans], **req.copy_args
+            )
+        published = 0  # layers [0, published) are in storage
+        for _layer in range(num_layers):
+            if copier is not None:
+                state.pending.append(next(copier))
+                while published < len(state.pending) and state.pending[published].done():
+                    sm.batched_put(keys[published], state.objs[published])
+                    published += 1
+            yield None
+        # ---- last call: publish what is left, release, stats
+        for handle in state.pending[published:]:
+            if not handle.done():
+                handle.wait()
+            sm.batched_put(keys[handle.layer], state.objs[handle.layer])
+        _touch_tail_to_head(sm, keys)
+        state.release()
+        outcome.stored_tokens = sum(s.end - s.start for s in spans)
+        outcome.finished = True
+        engine.stats.add(stored_tokens=outcome.stored_tokens)
+        yield None
+    finally:
+        state.release()
+
+
+def _allocate(
+    engine: LMCacheEngine, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState
+) -> list[int]:
+    """Allocate every layer of the ``todo`` chunks, chunk by chunk; returns the chunks that got all.
+
+    On pool exhaustion the remaining chunks are skipped (counted, logged once); a chunk
+    is never stored with some layers missing.
+    """
+    num_layers = engine.metadata.num_layers
+    per_chunk: list[list[MemoryObj]] = []
+    for n_done, j in enumerate(todo):
+        shape = connector.get_shape(spans[j].end - spans[j].start)
+        chunk_objs: list[MemoryObj] = []
+        for _ in range(num_layers):
+            obj = engine.storage_manager.allocate(shape, engine.metadata.kv_dtype, connector.fmt)
+            if obj is None:
+                break
+            chunk_objs.append(obj)
+        if len(chunk_objs) < num_layers:
+            _release(chunk_objs)
+            engine.stats.add(store_skipped_chunks=len(todo) - n_done)
+            if not engine._warned_full:
+                engine._warned_full = True
+                logger.warning("lmcache CPU pool full (nothing evictable): skipping stores (logged once)")
+            todo = todo[:n_done]
+            break
+        per_chunk.append(chunk_objs)
+    state.objs = [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)] if per_chunk else []
+    return todo
+
+
+def store_all(engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
+    """Run a whole layerwise store (``LMCacheEngine.store`` when ``use_layerwise``); stored tokens."""
+    outcome = StoreOutcome()
+    for _ in store_layer(engine, tokens, mask, outcome=outcome, **kwargs):
+        pass
+    return outcome.stored_tokens
+
+
+# ---------------------------------------------------------------------- retrieve
+@dataclass(slots=True)
+class _RetrieveState:
+    pinned: list[CacheEngineKey] = field(default_factory=list)
+    held: list[tuple[LayerCopy | None, list[MemoryObj]]] = field(default_factory=list)
+    inflight: Future | None = None
+    released: bool = False
+
+    def release_done(self) -> None:
+        """Drop the objects of layers whose copy has completed (non-blocking)."""
+        keep = []
+        for handle, objs in self.held:
+            if handle is None or handle.done():
+                _release(objs)
+            else:
+                keep.append((handle, objs))
+        self.held = keep
+
+    def release(self, sm: StorageManager) -> None:
+        if self.released:
+            return
+        self.released = True
+        for handle, objs in self.held:
+            if handle is not None and not handle.done():
+                handle.wait()  # a copy in flight still reads the objects
+            _release(objs)
+        self.held = []
+        if self.inflight is not None:
+            _release_when_done(self.inflight)
+            self.inflight = None
+        for key in self.pinned:
+            sm.unpin(key)
+        self.pinned = []
+
+
+def retrieve_layer(
+    engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
+) -> Iterator[torch.Tensor | None]:
+    """Layerwise retrieve generator: exactly ``num_layers + 2`` ``next()`` calls (module docstring).
+
+    kwargs as for ``LMCacheEngine.retrieve`` plus ``sync`` (True for the last request
+    of a batch on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). The first
+    ``num_layers + 1`` calls return None, the last the retrieved-token mask (CPU bool,
+    ``len(tokens)``). Chunks where ``mask`` is False are neither read nor written.
+    """
+    from lmcache.v1.cache_engine import _split_kwargs
+
+    connector = _layerwise_connector(engine)
+    return _retrieve_steps(engine, connector, tokens, mask, _split_kwargs(kwargs))
+
+
+def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
+    """Chunks retrievable for every layer; pins (and records) the L1 entries of that prefix."""
+    found = len(keys_per_layer[0]) if keys_per_layer else 0
+    for layer_list in keys_per_layer:
+        if not found:
+            break
+        candidates = layer_list[:found]
+        in_l1 = sm.local_cpu.batched_contains(candidates, pin=True)
+        state.pinned.extend(candidates[:in_l1])
+        found = in_l1 if in_l1 == found else in_l1 + sm.batched_contains(candidates[in_l1:])
+    return found
+
+
+def _retrieve_steps(
+    engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens, mask, req
+) -> Iterator[torch.Tensor | None]:
+    num_layers = engine.metadata.num_layers
+    sm = engine.storage_manager
+    state = _RetrieveState()
+    loader = None
+    try:
+        # ---- call 0: setup
+        n = len(tokens)
+        ret = torch.zeros(n, dtype=torch.bool)
+        spans: list[ChunkSpan] = engine.token_database.spans(tokens, mask, **req.key_extras)
+        requested = n - (int((~torch.as_tensor(mask, dtype=torch.bool)).sum()) if mask is not None else 0)
+        engine.stats.add(retrieve_requests=1, requested_tokens=requested)
+        keys = layer_keys([s.key for s in spans], num_layers)
+        hit = _pin_prefix(sm, keys, state) if spans else 0
+        spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
+        reads = None
+        if hit:
+            loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], **req.copy_args)
+            next(loader)
+            reads = sm.layerwise_batched_get(keys)
+            state.inflight = next(reads)
+        yield None
+        # ---- calls 1..num_layers: one layer each
+        for layer in range(num_layers):
+            if loader is not None:
+                got: list[MemoryObj | None] = state.inflight.result()
+                state.inflight = next(reads) if layer + 1 < num_layers else None  # overlap the next layer's reads
+                ok = 0
+                while ok < min(hit, len(got)) and got[ok] is not None:
+                    ok += 1
+                if ok < hit:
+                    _report_shortfall(engine, layer, hit, ok)
+                    hit = ok
+                _release(got[hit:])
+                objs = [o for o in got[:hit] if o is not None]
+                handle = None
+                try:
+                    handle = loader.send(objs)
+                finally:
+                    state.held.append((handle, objs))  # released once the copy is done (or failed)
+                state.release_done()
+            yield None
+        # ---- last call: final ordering, release, mask
+        if loader is not None:
+            next(loader)
+        state.release(sm)
+        for s in spans[:hit]:
+            ret[s.start : s.end] = True
+        _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
+        engine.stats.add(hit_tokens=int(ret.sum()))
+        yield ret
+    finally:
+        state.release(sm)
+        if loader is not None:
+            loader.close()
+
+
+def _report_shortfall(engine: LMCacheEngine, layer: int, expected: int, got: int) -> None:
+    engine.stats.add(load_errors=1)
+    if not getattr(engine, "_warned_layer_miss", False):
+        engine._warned_layer_miss = True  # type: ignore[attr-defined]
+        logger.warning(
+            "lmcache layerwise retrieve: layer %d has %d of %d chunks (entry lost after lookup); "
+            "the request's mask is cut there and the rest must be recomputed (logged once)",
+            layer,
+            got,
+            expected,
+        )
+
+
+def retrieve_all(
+    engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
+) -> torch.Tensor:
+    """Run a whole layerwise retrieve (``LMCacheEngine.retrieve`` when ``use_layerwise``); the mask."""
+    result = None
+    for result in retrieve_layer(engine, tokens, mask, **kwargs):
+        pass
+    assert isinstance(result, torch.Tensor)
+    return result

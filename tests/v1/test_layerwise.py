@@ -1,0 +1,757 @@
+"""Layerwise store/retrieve: yield counts, bit-exact per-layer round trips in every KV layout,
+pipelining (layer i is in storage / in the paged cache before layer i+1 is touched), storage
+order (a missing layer-chunk is a miss from there, never partial KV), ownership, and the
+lower-tier future path. Runs with the torch fallback and, when built, the native kernels.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector import native
+from lmcache.v1.gpu_connector.layerwise import (
+    LayerCopy,
+    VLLMBufferLayerwiseGPUConnector,
+    VLLMPagedMemLayerwiseGPUConnector,
+    create_gpu_connector,
+)
+from lmcache.v1.gpu_connector.paged import VLLMPagedMemGPUConnectorV2
+from lmcache.v1.layerwise import layer_keys
+from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.testing import (
+    LAYOUT_NAMES,
+    KVSpec,
+    make_connector,
+    make_engine,
+    make_metadata,
+    random_kv_caches,
+    random_slot_mapping,
+)
+
+CHUNK = 16
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(params=["fallback", "native"])
+def kernels(request, monkeypatch):
+    """Run a test with the torch fallback (LMCACHE_USE_NATIVE=0) and with native kernels."""
+    if request.param == "fallback":
+        monkeypatch.setenv("LMCACHE_USE_NATIVE", "0")
+    else:
+        if native.load() is None:
+            pytest.skip("native kernels (lmcache._c_ops) are not built")
+        monkeypatch.setenv("LMCACHE_USE_NATIVE", "1")
+    return request.param
+
+
+def config(**over) -> LMCacheEngineConfig:
+    data = {"chunk_size": CHUNK, "max_local_cpu_size": 0.0625, "use_layerwise": True}
+    data.update(over)
+    return LMCacheEngineConfig.from_dict(data)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit-identical integer view, so NaN payloads (fp8 random bytes) compare exactly."""
+    return t.view(_INT[t.element_size()])
+
+
+# ----------------------------------------------------------------------------- an independent layout oracle
+def _token_view(layer: torch.Tensor, layout: str, slot: int, block_size: int) -> list[torch.Tensor]:
+    """Views of token ``slot``'s K and V (or MLA latent) in one layer, decoded per layout by hand."""
+    b, o = divmod(int(slot), block_size)
+    if layout == "flash_attn":
+        return [layer[0, b, o], layer[1, b, o]]
+    if layout == "flashinfer":
+        return [layer[b, 0, o], layer[b, 1, o]]
+    if layout == "mla":
+        return [layer[b, o]]
+    # vllm_cpu: per (block, head) page [K transposed: head x block | V: block x head]
+    h, bs, two_d = layer.shape[1], layer.shape[2], layer.shape[3]
+    d = two_d // 2
+    page = layer[b].reshape(h, bs * two_d)
+    k = page[:, : bs * d].view(h, d, bs)[:, :, o]
+    v = page[:, bs * d :].view(h, bs, d)[:, o]
+    return [k, v]
+
+
+def token_kv(layer: torch.Tensor, spec: KVSpec, slot: int) -> torch.Tensor:
+    """``[num_kv, hidden]`` of one token in one layer (a copy)."""
+    return torch.stack([v.reshape(-1) for v in _token_view(layer, spec.layout, slot, spec.block_size)])
+
+
+def expected_paged(
+    kv: list[torch.Tensor], spec: KVSpec, slots: torch.Tensor, written: torch.Tensor
+) -> list[torch.Tensor]:
+    """Zero caches holding ``kv``'s vectors exactly at the slots of the ``written`` tokens."""
+    out = [torch.zeros_like(t) for t in kv]
+    for layer, (src, dst) in enumerate(zip(kv, out)):
+        for i in written.nonzero().flatten().tolist():
+            for d_view, s_view in zip(
+                _token_view(dst, spec.layout, slots[i], spec.block_size),
+                _token_view(src, spec.layout, slots[i], spec.block_size),
+            ):
+                d_view.copy_(s_view)
+    return out
+
+
+def assert_paged_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(bits(g), bits(w)), f"layer {layer} differs"
+
+
+def resident_ok(engine: LMCacheEngine) -> None:
+    """Ownership after a finished call: L1 holds exactly one reference per entry, no pins."""
+    backend = engine.storage_manager.local_cpu
+    for key in backend.keys():
+        obj = backend._objs[key]
+        assert obj.ref_count == 1 and obj.pin_count == 0, (key, obj)
+    # nothing else holds pool memory (4 KiB-aligned allocations)
+    assert engine.storage_manager.allocator.used_bytes == sum(
+        (o.get_size() + 4095) // 4096 * 4096 for o in backend._objs.values()
+    )
+
+
+def drive_store(gen) -> int:
+    n = 0
+    for out in gen:
+        assert out is None
+        n += 1
+    return n
+
+
+def drive_retrieve(gen) -> tuple[int, torch.Tensor]:
+    outs = list(gen)
+    assert all(o is None for o in outs[:-1])
+    return len(outs), outs[-1]
+
+
+def setup(spec: KVSpec, num_tokens: int, *, seed: int = 0, **cfg):
+    engine = make_engine(spec, config(**cfg))
+    kv = random_kv_caches(spec, seed=seed)
+    slots = random_slot_mapping(spec, num_tokens, seed=seed + 1)
+    tokens = torch.arange(1000 + seed, 1000 + seed + num_tokens)
+    return engine, kv, slots, tokens
+
+
+# ----------------------------------------------------------------------------- yield counts
+@pytest.mark.parametrize("num_layers", [1, 3, 5])
+def test_store_takes_n_plus_1_and_retrieve_n_plus_2_calls(num_layers):
+    spec = KVSpec(num_layers=num_layers)
+    engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
+    gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
+    assert drive_store(gen) == num_layers + 1
+    with pytest.raises(StopIteration):
+        next(gen)
+    out = [torch.zeros_like(t) for t in kv]
+    gen = engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots)
+    count, mask = drive_retrieve(gen)
+    assert count == num_layers + 2
+    assert mask.dtype == torch.bool and mask.shape == (3 * CHUNK,) and bool(mask.all())
+    engine.close()
+
+
+@pytest.mark.parametrize("case", ["empty", "all_cached", "all_missing", "short"])
+def test_call_counts_hold_when_there_is_nothing_to_do(case):
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    if case == "all_cached":
+        engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    if case == "empty":
+        tokens, slots = tokens[:0], slots[:0]
+    if case == "short":  # below one chunk, save_unfull_chunk off: no chunk at all
+        tokens, slots = tokens[: CHUNK - 1], slots[: CHUNK - 1]
+    if case != "all_missing":  # nothing new to store
+        before = engine.stats.snapshot()["stored_tokens"]
+        assert drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)) == 5
+        assert engine.stats.snapshot()["stored_tokens"] == before
+    out = [torch.zeros_like(t) for t in kv]
+    count, mask = drive_retrieve(engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots))
+    assert count == 6
+    assert int(mask.sum()) == (2 * CHUNK if case == "all_cached" else 0)
+    resident_ok(engine)
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- bit-exact round trips
+@pytest.mark.parametrize("buffered", [False, True], ids=["paged", "buffer"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_round_trip_is_bit_exact_for_every_layout_and_dtype(layout, dtype, buffered, kernels):
+    spec = KVSpec(num_layers=3, layout=layout, dtype=dtype)
+    engine = make_engine(spec, config(save_unfull_chunk=True), buffered=buffered)
+    kv = random_kv_caches(spec, seed=3)
+    n = 3 * CHUNK + 5
+    slots = random_slot_mapping(spec, n, seed=4)
+    tokens = torch.arange(n)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert engine.lookup(tokens) == n
+
+    # the stored objects are KV_T2D [T, num_kv, hidden] with each token's exact vectors
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    for layer in range(spec.num_layers):
+        for j, key in enumerate(keys[layer]):
+            obj = engine.storage_manager.get(key)
+            assert obj is not None and obj.fmt is MemoryFormat.KV_T2D
+            assert obj.shape == (min(CHUNK, n - j * CHUNK), 1 if spec.use_mla else 2, spec.hidden)
+            for t in range(obj.shape[0]):
+                assert torch.equal(bits(obj.tensor[t]), bits(token_kv(kv[layer], spec, slots[j * CHUNK + t])))
+            obj.ref_count_down()
+
+    out = [torch.zeros_like(t) for t in kv]
+    _, mask = drive_retrieve(engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots))
+    assert bool(mask.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots, mask))
+    resident_ok(engine)
+    engine.close()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=st.sampled_from(LAYOUT_NAMES),
+    buffered=st.booleans(),
+    num_layers=st.integers(1, 4),
+    num_tokens=st.integers(0, 5 * CHUNK),
+    skip_chunks=st.integers(0, 5),
+    unfull=st.booleans(),
+    block_size=st.sampled_from([4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_property(layout, buffered, num_layers, num_tokens, skip_chunks, unfull, block_size, seed):
+    """Any length, mask prefix, partial chunk and block size: the retrieved tokens are exactly
+    the stored ones, bit for bit, and nothing else in the paged cache is written."""
+    spec = KVSpec(num_layers=num_layers, layout=layout, block_size=block_size, num_blocks=96)
+    engine = make_engine(spec, config(save_unfull_chunk=unfull), buffered=buffered)
+    kv = random_kv_caches(spec, seed=seed)
+    slots = random_slot_mapping(spec, num_tokens, seed=seed + 1)
+    tokens = torch.arange(num_tokens) * 7 + seed
+    storable = num_tokens if unfull else num_tokens - num_tokens % CHUNK
+    stored = engine.stats.snapshot()["stored_tokens"]
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert engine.stats.snapshot()["stored_tokens"] - stored == storable
+    assert engine.lookup(tokens) == storable
+
+    skip = min(skip_chunks, num_tokens // CHUNK) * CHUNK
+    mask = torch.arange(num_tokens) >= skip
+    out = [torch.zeros_like(t) for t in kv]
+    _, got = drive_retrieve(engine.retrieve_layer(tokens, mask, kvcaches=out, slot_mapping=slots))
+    want = (torch.arange(num_tokens) >= skip) & (torch.arange(num_tokens) < storable)
+    assert torch.equal(got, want)
+    assert_paged_equal(out, expected_paged(kv, spec, slots, want))
+    resident_ok(engine)
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- pipelining
+def test_store_publishes_each_layer_before_touching_the_next(kernels):
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    sm = engine.storage_manager
+    gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
+    for layer in range(spec.num_layers):
+        next(gen)
+        for other in range(spec.num_layers):
+            present = [sm.contains(k) for k in keys[other]]
+            assert present == [other <= layer] * 3, (layer, other, present)
+        # lookup agrees with storage order: the request is a miss until every layer is in
+        assert engine.lookup(tokens) == (3 * CHUNK if layer == spec.num_layers - 1 else 0)
+    next(gen)
+    assert engine.lookup(tokens) == 3 * CHUNK
+    resident_ok(engine)
+    engine.close()
+
+
+def test_retrieve_writes_layer_i_before_layer_i_plus_1(kernels):
+    spec = KVSpec(num_layers=4, layout="flash_attn")
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    out = [torch.zeros_like(t) for t in kv]
+    full = expected_paged(kv, spec, slots, torch.ones(2 * CHUNK, dtype=torch.bool))
+    gen = engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots)
+    assert next(gen) is None  # setup writes nothing
+    assert all(not t.any() for t in out)
+    for layer in range(spec.num_layers):
+        assert next(gen) is None
+        for other in range(spec.num_layers):
+            if other <= layer:
+                assert torch.equal(out[other], full[other])
+            else:
+                assert not out[other].any()
+    assert bool(next(gen).all())
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- storage order / misses
+@settings(max_examples=20, deadline=None)
+@given(num_layers=st.integers(1, 4), missing_layer=st.integers(0, 3), missing_chunk=st.integers(0, 3))
+def test_a_missing_layer_chunk_is_a_miss_from_there(num_layers, missing_layer, missing_chunk):
+    missing_layer %= num_layers
+    spec = KVSpec(num_layers=num_layers)
+    engine, kv, slots, tokens = setup(spec, 4 * CHUNK)
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    key = layer_keys(engine.keys(tokens), num_layers)[missing_layer][missing_chunk]
+    assert engine.storage_manager.remove(key)
+    assert engine.lookup(tokens) == missing_chunk * CHUNK
+
+    out = [torch.zeros_like(t) for t in kv]
+    _, mask = drive_retrieve(engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots))
+    want = torch.arange(4 * CHUNK) < missing_chunk * CHUNK
+    assert torch.equal(mask, want)
+    # no layer of the missed chunks was written: the prefix was fixed before any copy
+    assert_paged_equal(out, expected_paged(kv, spec, slots, want))
+    assert engine.stats.snapshot()["load_errors"] == 0
+    resident_ok(engine)
+    engine.close()
+
+
+def test_entry_lost_mid_retrieve_shortens_the_mask_and_counts_a_load_error(kernels):
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    out = [torch.zeros_like(t) for t in kv]
+    gen = engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots)
+    next(gen)  # setup: the prefix is 3 chunks
+    next(gen)  # layer 0 (layer 1's reads were started before its copy)
+    assert engine.storage_manager.remove(keys[2][1])  # a tier loses layer 2 / chunk 1
+    next(gen)  # layer 1 (starts layer 2's reads: chunk 1 is gone)
+    next(gen)  # layer 2: only chunk 0 left
+    next(gen)  # layer 3
+    mask = next(gen)
+    assert torch.equal(mask, torch.arange(3 * CHUNK) < CHUNK)
+    assert engine.stats.snapshot()["load_errors"] == 1
+    # every token the mask reports has all its layers
+    full = expected_paged(kv, spec, slots, mask)
+    for layer in range(spec.num_layers):
+        for i in range(CHUNK):
+            assert torch.equal(token_kv(out[layer], spec, slots[i]), token_kv(full[layer], spec, slots[i]))
+    # layers 2 and 3 stopped at the cut
+    assert_paged_equal(out[2:], full[2:])
+    resident_ok(engine)
+    engine.close()
+
+
+def test_retrieve_pins_its_prefix_against_eviction_by_a_concurrent_store():
+    """A store allocating upfront while a retrieve is mid-way must not evict the retrieve's layers."""
+    spec = KVSpec(num_layers=2, num_blocks=64)
+    one_chunk = CHUNK * 2 * spec.hidden * 4  # one layer-chunk of fp32 = 2 KiB, a 4 KiB page in the pool
+    engine = make_engine(spec, config(max_local_cpu_size=(4 * 2 * 4096) / GiB))  # room for 4 chunks x 2 layers
+    assert one_chunk <= 4096
+    kv = random_kv_caches(spec, seed=5)
+    slots = random_slot_mapping(spec, 4 * CHUNK, seed=6)
+    a = torch.arange(4 * CHUNK)
+    engine.store(a[: 2 * CHUNK], kvcaches=kv, slot_mapping=slots[: 2 * CHUNK])
+    out = [torch.zeros_like(t) for t in kv]
+    gen = engine.retrieve_layer(a[: 2 * CHUNK], kvcaches=out, slot_mapping=slots[: 2 * CHUNK])
+    next(gen)  # setup pins the 4 entries of a
+    b = torch.arange(10_000, 10_000 + 4 * CHUNK)
+    store = engine.store_layer(b, kvcaches=kv, slot_mapping=slots)
+    drive_store(store)  # wants 8 pages, only 4 are free: stores 2 chunks, evicts nothing pinned
+    assert engine.stats.snapshot()["store_skipped_chunks"] == 2
+    _, mask = drive_retrieve(gen)
+    assert bool(mask.all()) and engine.stats.snapshot()["load_errors"] == 0
+    assert engine.lookup(b) == 2 * CHUNK
+    resident_ok(engine)
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- store details
+def test_store_skips_cached_chunks_and_stops_at_the_first_negative_slot():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 4 * CHUNK)
+    holes = slots.clone()
+    holes[2 * CHUNK + 3] = -1
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=holes))
+    assert engine.stats.snapshot()["stored_tokens"] == 2 * CHUNK
+    assert engine.lookup(tokens) == 2 * CHUNK
+    puts = []
+    sm = engine.storage_manager
+    original = sm.batched_put
+    sm.batched_put = lambda keys, objs: (puts.append(len(keys)), original(keys, objs))  # type: ignore[method-assign]
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert puts == [2] * spec.num_layers  # only the two chunks not yet cached, per layer
+    assert engine.lookup(tokens) == 4 * CHUNK
+    resident_ok(engine)
+    engine.close()
+
+
+def test_full_pool_stores_whole_chunks_only():
+    spec = KVSpec(num_layers=3)
+    engine = make_engine(spec, config(max_local_cpu_size=(7 * 4096) / GiB))  # 7 pages: 2 chunks of 3 layers
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 4 * CHUNK)
+    tokens = torch.arange(4 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    snap = engine.stats.snapshot()
+    assert snap["stored_tokens"] == 2 * CHUNK and snap["store_skipped_chunks"] == 2
+    assert len(engine.storage_manager.local_cpu) == 2 * spec.num_layers
+    assert engine.lookup(tokens) == 2 * CHUNK
+    resident_ok(engine)
+    engine.close()
+
+
+def test_eviction_order_is_tail_chunk_first_with_all_its_layers():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    victims = list(engine.storage_manager.local_cpu.policy.victims())
+    want = [keys[layer][chunk] for chunk in (2, 1, 0) for layer in range(spec.num_layers)]
+    assert victims == want
+    # a retrieve reads layer by layer; afterwards the order is restored
+    drive_retrieve(engine.retrieve_layer(tokens, kvcaches=[torch.zeros_like(t) for t in kv], slot_mapping=slots))
+    assert list(engine.storage_manager.local_cpu.policy.victims()) == want
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- ownership
+def test_closing_a_store_midway_releases_memory_and_leaves_a_miss():
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
+    next(gen)
+    next(gen)  # layers 0 and 1 published
+    gen.close()
+    assert len(engine.storage_manager.local_cpu) == 2 * 2
+    assert engine.lookup(tokens) == 0  # layers 2, 3 missing: the whole request is a miss
+    resident_ok(engine)  # the 2 unpublished layers' objects went back to the pool
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))  # a later store completes it
+    assert engine.lookup(tokens) == 2 * CHUNK
+    engine.close()
+
+
+def test_closing_a_retrieve_midway_unpins_and_releases():
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    gen = engine.retrieve_layer(tokens, kvcaches=[torch.zeros_like(t) for t in kv], slot_mapping=slots)
+    next(gen)
+    next(gen)
+    assert any(o.pin_count for o in engine.storage_manager.local_cpu._objs.values())
+    gen.close()
+    resident_ok(engine)
+    engine.close()
+
+
+def test_bad_arguments_raise_and_leak_nothing():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    gen = engine.store_layer(tokens, slot_mapping=slots)  # no kvcaches
+    with pytest.raises(ValueError, match="kvcaches"):
+        next(gen)
+    assert engine.storage_manager.allocator.used_bytes == 0
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    gen = engine.retrieve_layer(tokens, kvcaches=kv[:2], slot_mapping=slots)  # a layer short
+    with pytest.raises(ValueError, match="kvcaches"):
+        next(gen)
+    resident_ok(engine)  # pins taken by the setup were undone
+    engine.close()
+
+
+def test_lookup_pin_and_unpin_cover_every_layer():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    engine.store(tokens, kvcaches=kv, slot_mapping=slots)
+    assert engine.lookup(tokens, pin=True) == 2 * CHUNK
+    objs = engine.storage_manager.local_cpu._objs
+    assert len(objs) == 6 and all(o.pin_count == 1 for o in objs.values())
+    engine.lookup_unpin(tokens)
+    assert all(o.pin_count == 0 for o in objs.values())
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- engine API
+def test_bulk_store_and_retrieve_run_the_layerwise_path_when_configured():
+    spec = KVSpec(num_layers=3, layout="flashinfer")
+    engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == 3 * CHUNK
+    assert all(isinstance(k, LayerCacheEngineKey) for k in engine.storage_manager.local_cpu.keys())
+    out = [torch.zeros_like(t) for t in kv]
+    mask = engine.retrieve(tokens, kvcaches=out, slot_mapping=slots)
+    assert bool(mask.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots, mask))
+    engine.close()
+
+
+def test_layerwise_calls_need_a_layerwise_connector():
+    spec = KVSpec(num_layers=2)
+    engine = make_engine(spec, config(use_layerwise=False))
+    with pytest.raises(ValueError, match="layerwise connector"):
+        engine.store_layer([1, 2, 3])
+    with pytest.raises(ValueError, match="layerwise connector"):
+        engine.retrieve_layer([1, 2, 3])
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    "over, cls",
+    [
+        ({"use_layerwise": False}, VLLMPagedMemGPUConnectorV2),
+        ({}, VLLMPagedMemLayerwiseGPUConnector),
+        ({"extra_config": {"use_gpu": True}}, VLLMBufferLayerwiseGPUConnector),
+        ({"extra_config": {"enable_blending": True}}, VLLMBufferLayerwiseGPUConnector),
+    ],
+)
+def test_connector_follows_the_config(over, cls):
+    conn = create_gpu_connector(config(**over), 16, 2, dtype=torch.float16, device="cpu")
+    assert type(conn) is cls and conn.chunk_size == CHUNK
+
+
+# ----------------------------------------------------------------------------- connector protocol
+def test_connector_protocol_and_argument_checks():
+    spec = KVSpec(num_layers=2)
+    conn = VLLMPagedMemLayerwiseGPUConnector(spec.hidden, 2, chunk_size=CHUNK, dtype=spec.dtype, device="cpu")
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, CHUNK)
+    assert conn.fmt is MemoryFormat.KV_T2D and conn.get_shape(5) == (5, 2, spec.hidden)
+    objs = [[MemoryObj.from_tensor(torch.zeros(CHUNK, 2, spec.hidden), MemoryFormat.KV_T2D)] for _ in range(2)]
+    with pytest.raises(ValueError, match="objs_per_layer"):
+        conn.batched_from_gpu(objs[:1], [0], [CHUNK], kvcaches=kv, slot_mapping=slots)
+    store = conn.batched_from_gpu(objs, [0], [CHUNK], kvcaches=kv, slot_mapping=slots, sync=False)
+    handles = list(store)
+    assert [h.layer for h in handles] == [0, 1] and all(isinstance(h, LayerCopy) and h.done() for h in handles)
+    for layer in range(2):
+        for t in range(CHUNK):
+            assert torch.equal(objs[layer][0].tensor[t], token_kv(kv[layer], spec, slots[t]))
+
+    out = [torch.zeros_like(t) for t in kv]
+    load = conn.batched_to_gpu([0], [CHUNK], kvcaches=out, slot_mapping=slots)
+    assert next(load) is None
+    with pytest.raises(ValueError, match="send"):
+        next(load)
+    load = conn.batched_to_gpu([0], [CHUNK], kvcaches=out, slot_mapping=slots)
+    next(load)
+    assert load.send([objs[0][0]]).done()
+    assert load.send([]).layer == 1  # an empty layer (storage returned nothing) copies nothing
+    assert next(load) is None
+    with pytest.raises(StopIteration):
+        next(load)
+    assert torch.equal(out[0], expected_paged(kv, spec, slots, torch.ones(CHUNK, dtype=torch.bool))[0])
+    assert not out[1].any()
+    bad = MemoryObj.from_tensor(torch.zeros(CHUNK - 1, 2, spec.hidden), MemoryFormat.KV_T2D)
+    load = conn.batched_to_gpu([0], [CHUNK], kvcaches=out, slot_mapping=slots)
+    next(load)
+    with pytest.raises(ValueError, match="does not hold"):
+        load.send([bad])
+
+
+def test_batched_requests_share_the_connector_with_sync_flags():
+    """Two requests driven in lockstep as the adapter does (first/last sync flags) on one connector."""
+    spec = KVSpec(num_layers=3, num_blocks=64)
+    engine, kv, slots, _ = setup(spec, 4 * CHUNK)
+    t1, t2 = torch.arange(2 * CHUNK), torch.arange(500, 500 + 2 * CHUNK)
+    s1, s2 = slots[: 2 * CHUNK], slots[2 * CHUNK :]
+    g1 = engine.store_layer(t1, kvcaches=kv, slot_mapping=s1, sync=True)
+    g2 = engine.store_layer(t2, kvcaches=kv, slot_mapping=s2, sync=False)
+    for _ in range(spec.num_layers + 1):
+        next(g1), next(g2)
+    out = [torch.zeros_like(t) for t in kv]
+    r1 = engine.retrieve_layer(t1, kvcaches=out, slot_mapping=s1, sync=False)
+    r2 = engine.retrieve_layer(t2, kvcaches=out, slot_mapping=s2, sync=True)
+    for _ in range(spec.num_layers + 1):
+        assert next(r1) is None and next(r2) is None
+    m1, m2 = next(r1), next(r2)
+    assert bool(m1.all()) and bool(m2.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots, torch.ones(4 * CHUNK, dtype=torch.bool)))
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- lower tier, futures
+class DictTier(StorageBackend):
+    """A lower tier holding copies in a dict; non-blocking gets run on a thread pool."""
+
+    name = "DictTier"
+
+    def __init__(self, allocator) -> None:
+        self.allocator = allocator
+        self.data: dict[CacheEngineKey, tuple[torch.Tensor, MemoryFormat]] = {}
+        self.requested: list[int] = []  # layer ids of gets, in order
+        self.pool = ThreadPoolExecutor(2)
+        self.lock = threading.Lock()
+
+    def contains(self, key, pin=False) -> bool:
+        return key in self.data
+
+    def submit_put(self, key, obj) -> None:
+        self.data[key] = (obj.tensor.clone(), obj.fmt)
+
+    def get_blocking(self, key):
+        item = self.data.get(key)
+        if item is None:
+            return None
+        obj = self.allocator.allocate(item[0].shape, item[0].dtype, item[1])
+        obj.tensor.copy_(item[0])
+        return obj
+
+    def get_non_blocking(self, key) -> Future:
+        with self.lock:
+            self.requested.append(key.layer_id)
+
+        return self.pool.submit(self.get_blocking, key)
+
+    def remove(self, key) -> bool:
+        return self.data.pop(key, None) is not None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def tiered_engine(spec: KVSpec) -> tuple[LMCacheEngine, DictTier]:
+    cfg = config(local_cpu=False, max_local_cpu_size=0)
+    sm = StorageManager(cfg, lower_backends=[], pool_bytes=16 << 20)
+    tier = DictTier(sm.allocator)
+    sm.lower.append(tier)
+    connector = make_connector(spec, CHUNK, layerwise=True)
+    engine = LMCacheEngine(cfg, make_metadata(spec, CHUNK), connector, storage_manager=sm)
+    return engine, tier
+
+
+def test_lower_tier_reads_of_the_next_layer_start_before_this_layer_is_copied():
+    spec = KVSpec(num_layers=4, layout="mla")
+    engine, tier = tiered_engine(spec)
+    kv = random_kv_caches(spec, seed=9)
+    slots = random_slot_mapping(spec, 3 * CHUNK, seed=10)
+    tokens = torch.arange(3 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert len(tier.data) == 3 * spec.num_layers and len(engine.storage_manager.local_cpu) == 0
+    assert engine.storage_manager.allocator.used_bytes == 0  # staging objects released
+    out = [torch.zeros_like(t) for t in kv]
+    gen = engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots)
+    next(gen)
+    assert tier.requested == [0] * 3  # setup started layer 0 only
+    next(gen)
+    assert tier.requested == [0] * 3 + [1] * 3  # copying layer 0 started layer 1's reads first
+    _, mask = drive_retrieve(gen)
+    assert bool(mask.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots, mask))
+    assert engine.storage_manager.allocator.used_bytes == 0  # every layer's objects released
+    engine.close()
+
+
+def test_lower_tier_entry_lost_after_setup_is_reported():
+    spec = KVSpec(num_layers=3)
+    engine, tier = tiered_engine(spec)
+    kv = random_kv_caches(spec, seed=11)
+    slots = random_slot_mapping(spec, 2 * CHUNK, seed=12)
+    tokens = torch.arange(2 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    gen = engine.retrieve_layer(tokens, kvcaches=[torch.zeros_like(t) for t in kv], slot_mapping=slots)
+    next(gen)
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    tier.remove(keys[2][0])  # lost before layer 2's reads start (they start while layer 1 is copied)
+    _, mask = drive_retrieve(gen)
+    assert not mask.any()
+    assert engine.stats.snapshot()["load_errors"] == 1
+    assert engine.storage_manager.allocator.used_bytes == 0
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- stream protocol (no GPU here)
+class _FakeEvent:
+    count = 0
+
+    def __init__(self, log: list) -> None:
+        _FakeEvent.count += 1
+        self.name = f"ev{_FakeEvent.count}"
+        self.log = log
+
+    def record(self, stream) -> None:
+        self.log.append(("record", stream.name, self.name))
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.log.append(("cpu_wait", self.name))
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait_event", self.name, event.name))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Route the connector's stream calls to recording fakes; copies still run on CPU tensors."""
+    import contextlib
+
+    log: list = []
+    current = _FakeStream("current", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _FakeEvent(log))
+
+    @contextlib.contextmanager
+    def on(stream):
+        log.append(("enter", stream.name))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    _FakeEvent.count = 0
+
+    def attach(conn):
+        conn.load_stream, conn.store_stream = _FakeStream("load", log), _FakeStream("store", log)
+        monkeypatch.setattr(conn, "_stream_of", lambda stream, kv: stream)
+
+    return log, attach
+
+
+def test_stream_ordering_follows_the_first_and_last_request_rules(fake_cuda):
+    log, attach = fake_cuda
+    spec = KVSpec(num_layers=2)
+    engine, kv, slots, _ = setup(spec, 2 * CHUNK)
+    attach(engine.gpu_connector)
+    t1, t2 = torch.arange(CHUNK), torch.arange(700, 700 + CHUNK)
+    s1, s2 = slots[:CHUNK], slots[CHUNK:]
+
+    # store: only the first request (sync=True) orders the store stream after the forward pass
+    g1 = engine.store_layer(t1, kvcaches=kv, slot_mapping=s1, sync=True)
+    g2 = engine.store_layer(t2, kvcaches=kv, slot_mapping=s2, sync=False)
+    for _ in range(spec.num_layers):
+        next(g1), next(g2)
+    next(g1), next(g2)
+    assert log == [
+        ("wait_stream", "store", "current"), ("enter", "store"), ("record", "store", "ev1"),  # req 1, layer 0
+        ("enter", "store"), ("record", "store", "ev2"),  # req 2, layer 0
+        ("wait_stream", "store", "current"), ("enter", "store"), ("record", "store", "ev3"),  # req 1, layer 1
+        ("enter", "store"), ("record", "store", "ev4"),  # req 2, layer 1
+    ]
+
+    # retrieve: only the last request (sync=True) makes the current stream wait, for layer i
+    # when layer i+1 is sent (so layer i+1's copy overlaps layer i's compute) and at the end
+    log.clear()
+    out = [torch.zeros_like(t) for t in kv]
+    r1 = engine.retrieve_layer(t1, kvcaches=out, slot_mapping=s1, sync=False)
+    r2 = engine.retrieve_layer(t2, kvcaches=out, slot_mapping=s2, sync=True)
+    for gen in (r1, r2):  # start_load_kv: setup and layer 0, request by request
+        next(gen), next(gen)
+    for _ in range(spec.num_layers - 1):  # wait_for_layer_load(i): layer i+1 of every request
+        next(r1), next(r2)
+    m1, m2 = next(r1), next(r2)  # wait_for_layer_load(last): the masks
+    assert bool(m1.all()) and bool(m2.all())
+    assert log == [
+        ("wait_stream", "load", "current"), ("enter", "load"), ("record", "load", "ev5"),  # req 1 setup + layer 0
+        ("wait_stream", "load", "current"), ("enter", "load"), ("record", "load", "ev6"),  # req 2 setup + layer 0
+        ("enter", "load"), ("record", "load", "ev7"),  # req 1 layer 1
+        ("wait_event", "current", "ev6"), ("enter", "load"), ("record", "load", "ev8"),  # req 2 layer 1
+        ("wait_event", "current", "ev8"),  # req 2 final: forward's last layer waits for every load
+    ]
+    engine.close()
