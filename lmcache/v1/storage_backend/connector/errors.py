@@ -1,0 +1,21 @@
+"""Exceptions raised by remote connectors (one root, three meanings).
+
+The remote backend catches exactly these: :class:`RemoteUnavailable` opens the
+circuit breaker, :class:`RemoteAuthError` disables the tier, anything else derived
+from :class:`RemoteError` is a miss for that one call. Exceptions raised by a read
+plan (e.g. a corrupt entry) pass through the connector unchanged.
+"""
+
+from __future__ import annotations
+
+
+class RemoteError(Exception):
+    """A remote call failed for this key only (bad reply, server-side error)."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The server cannot be reached or did not answer within the timeout."""
+
+
+class RemoteAuthError(RemoteError):
+    """The server refused the credentials (wrong or missing username/password)."""
