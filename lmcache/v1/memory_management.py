@@ -66,7 +66,7 @@ class MemoryObjMetadata:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor allocation: this runs per entry in disk-index rebuilds
 
 
 class MemoryObj:

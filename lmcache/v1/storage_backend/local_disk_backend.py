@@ -1,0 +1,668 @@
+"""L2: the local disk tier. Persistent, crash-safe, verified, asynchronous.
+
+Layout: ``<local_disk>/<namespace>/`` (mode 0700) holds one file per entry (mode
+0600), named ``<xxh3-128 of the key string>.lmc``, in the shared entry format with a
+page-aligned payload (:mod:`lmcache.v1.storage_backend.disk_file`). A write goes to a
+temp file, is fdatasync'ed and renamed into place, so a visible file is always
+complete; the directory is fsync'ed in groups (always before :meth:`flush` returns).
+A read checks size, header, full key and payload checksum; any failure is a miss,
+the bad file is deleted and counted. A restart rebuilds the index from file headers
+alone (:mod:`lmcache.v1.storage_backend.disk_index`).
+
+Threads: ``submit_put`` only queues (bounded; a full queue drops the write and counts
+it); ``write_threads`` workers do the I/O. ``get_non_blocking`` runs reads on
+``read_threads`` reader threads. Runtime failures never raise into the engine: a full
+disk skips writes, a permission error or a removed directory disables the tier, each
+with one log line.
+
+Options (``extra_config``): ``local_disk_o_direct`` (bool, default false),
+``local_disk_write_threads`` (2), ``local_disk_read_threads`` (2),
+``local_disk_queue_depth`` (64 entries), ``local_disk_close_timeout`` (60 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import queue
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
+from lmcache.v1.memory_management import GiB, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.cache_policy import make_policy
+from lmcache.v1.storage_backend.disk_file import (
+    PAGE,
+    entry_file_name,
+    entry_header,
+    o_direct_supported,
+    read_entry,
+    remove_quiet,
+    temp_file_name,
+    write_entry,
+)
+from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
+from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader, header_size
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = logging.getLogger(__name__)
+
+EXTRA_O_DIRECT = "local_disk_o_direct"
+EXTRA_WRITE_THREADS = "local_disk_write_threads"
+EXTRA_READ_THREADS = "local_disk_read_threads"
+EXTRA_QUEUE_DEPTH = "local_disk_queue_depth"
+EXTRA_CLOSE_TIMEOUT = "local_disk_close_timeout"
+
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]+")
+_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+_GONE = {errno.ENOENT, errno.ENOTDIR}
+_SYNC_BATCH = 64  # renames between directory fsyncs while the queue stays busy
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierOptions:
+    """The disk tier's settings, validated (bad values raise ConfigError)."""
+
+    root: str
+    capacity_bytes: int
+    cache_policy: str = "LRU"
+    o_direct: bool = False
+    write_threads: int = 2
+    read_threads: int = 2
+    queue_depth: int = 64
+    close_timeout: float = 60.0
+
+    @classmethod
+    def from_config(cls, config: LMCacheEngineConfig) -> DiskTierOptions:
+        path = config.local_disk_path
+        if not path:
+            raise ConfigError(f"local_disk={config.local_disk!r}: expected a directory path (file:// prefix optional)")
+        capacity = int(config.max_local_disk_size * GiB)
+        if capacity < PAGE:
+            raise ConfigError(
+                f"max_local_disk_size={config.max_local_disk_size!r}: expected a size in GiB of at least one page"
+            )
+
+        def extra(name: str, parse: Any, default: Any) -> Any:
+            return parse(f"extra_config.{name}", config.get_extra(name, default))
+
+        opts = cls(
+            root=os.path.abspath(os.path.expanduser(path)),
+            capacity_bytes=capacity,
+            cache_policy=config.cache_policy,
+            o_direct=extra(EXTRA_O_DIRECT, _as_bool, False),
+            write_threads=extra(EXTRA_WRITE_THREADS, _as_int, 2),
+            read_threads=extra(EXTRA_READ_THREADS, _as_int, 2),
+            queue_depth=extra(EXTRA_QUEUE_DEPTH, _as_int, 64),
+            close_timeout=extra(EXTRA_CLOSE_TIMEOUT, _as_float, 60.0),
+        )
+        for name, value in (
+            (EXTRA_WRITE_THREADS, opts.write_threads),
+            (EXTRA_READ_THREADS, opts.read_threads),
+            (EXTRA_QUEUE_DEPTH, opts.queue_depth),
+        ):
+            if value < 1:
+                raise ConfigError(f"extra_config.{name}={value!r}: expected an integer >= 1")
+        if opts.close_timeout < 0:
+            raise ConfigError(f"extra_config.{EXTRA_CLOSE_TIMEOUT}={opts.close_timeout!r}: expected seconds >= 0")
+        return opts
+
+
+@dataclass(slots=True)
+class DiskTierStats:
+    """Counters of one disk tier. Read with :meth:`snapshot`; tiers update with :meth:`add`."""
+
+    indexed_at_start: int = 0
+    """Entries found by the start-up scan."""
+    temp_files_removed: int = 0
+    """Temp files of dead writers deleted by the start-up scan."""
+    puts_accepted: int = 0
+    puts_dropped_queue_full: int = 0
+    puts_rejected_too_large: int = 0
+    """Entries larger than the whole tier."""
+    puts_rejected_no_space: int = 0
+    """Writes that found too many pinned or in-use entries to make room."""
+    writes_completed: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    corrupt_entries: int = 0
+    """Files that failed verification (at start-up or on read); each was deleted."""
+    read_errors: int = 0
+    """Reads that failed with an I/O error; the file was deleted."""
+    alloc_failures: int = 0
+    """Hits turned into misses because the CPU pool had no room."""
+    evictions: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+
+@dataclass(slots=True, eq=False)
+class _PendingWrite:
+    """A put between ``submit_put`` and its rename (holds one reference to ``obj``)."""
+
+    key: CacheEngineKey
+    key_str: str
+    obj: MemoryObj
+    seq: int
+    size: int
+    pins: int = 0
+    cancelled: bool = False
+    finished: bool = False
+
+
+def _done(value: MemoryObj | None) -> Future[MemoryObj | None]:
+    fut: Future[MemoryObj | None] = Future()
+    fut.set_result(value)
+    return fut
+
+
+class LocalDiskBackend(StorageBackend):
+    """Entries on a local filesystem, surviving restarts, verified on every read.
+
+    Calling threads: any. ``contains``, ``submit_put``, ``remove``, ``unpin`` and
+    ``get_non_blocking`` do no data I/O (a removal or an eviction unlinks a file);
+    ``get_blocking`` reads on the calling thread; ``flush`` and ``close`` wait for
+    the writers.
+
+    Memory: ``submit_put`` takes its own reference to the object until the write is
+    done (so the caller may drop its own at once); a read allocates from
+    ``local_cpu`` (the CPU pool) and returns an object with one reference owned by
+    the caller. Puts still in the queue are served from their memory object.
+    """
+
+    name = "LocalDiskBackend"
+
+    def __init__(self, config: LMCacheEngineConfig, local_cpu: LocalCPUBackend, namespace: str = "kv") -> None:
+        if not _NAMESPACE_RE.fullmatch(namespace):
+            raise ValueError(f"namespace={namespace!r}: expected letters, digits, '_' or '-'")
+        self.options = DiskTierOptions.from_config(config)
+        self.directory = os.path.join(self.options.root, namespace)
+        self.local_cpu = local_cpu
+        self.stats = DiskTierStats()
+        _prepare_directory(self.options.root, self.directory, config.local_disk)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._sync_lock = threading.Lock()
+        self._index = DiskIndex(self.options.capacity_bytes, make_policy(self.options.cache_policy))
+        self._pending: dict[CacheEngineKey, _PendingWrite] = {}
+        self._unwritten: set[int] = set()  # seqs queued or being written
+        self._to_sync: list[int] = []  # seqs renamed since the last directory fsync
+        self._seq = 0
+        self._disabled: str | None = None
+        self._closed = False
+        self._logged: set[str] = set()
+        try:
+            self._owner = OwnerLock(self.directory)
+            self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._load_index()
+        except OSError as exc:
+            raise ConfigError(
+                f"local_disk={config.local_disk!r}: cannot use {self.directory} ({exc.strerror}); "
+                "expected a readable and writable directory"
+            ) from None
+        self._check_free_space()
+        self._o_direct = self.options.o_direct and self._probe_o_direct()
+        self._queue: queue.Queue[_PendingWrite | None] = queue.Queue(maxsize=self.options.queue_depth)
+        self._writers = [
+            threading.Thread(target=self._write_loop, name=f"lmcache-disk-write-{i}", daemon=True)
+            for i in range(self.options.write_threads)
+        ]
+        for t in self._writers:
+            t.start()
+        self._readers = ThreadPoolExecutor(self.options.read_threads, thread_name_prefix="lmcache-disk-read")
+
+    # ------------------------------------------------------------------ start-up
+    def _load_index(self) -> None:
+        t0 = time.perf_counter()
+        scan = scan_directory(self.directory, own_token=self._owner.token)
+        for entry in scan.entries:
+            self._index.insert(entry)
+        victims = self._index.shrink_to_capacity()
+        for entry in victims:
+            self._unlink(entry.name)
+        self.stats.add(
+            indexed_at_start=len(scan.entries),
+            temp_files_removed=scan.temp_removed,
+            corrupt_entries=scan.corrupt,
+            evictions=len(victims),
+        )
+        logger.info(
+            "lmcache disk tier %s: %d entries (%.2f GiB) indexed in %.3f s; %d over the size limit evicted, "
+            "%d bad files and %d stale temp files removed",
+            self.directory,
+            len(self._index),
+            self._index.used / GiB,
+            time.perf_counter() - t0,
+            len(victims),
+            scan.corrupt,
+            scan.temp_removed,
+        )
+
+    def _check_free_space(self) -> None:
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return
+        room = self._index.used + st.f_bavail * st.f_frsize
+        if room < self._index.capacity:
+            logger.warning(
+                "lmcache disk tier %s: max_local_disk_size is %.2f GiB but only %.2f GiB can be used on this "
+                "filesystem; writes will be skipped when it is full",
+                self.directory,
+                self._index.capacity / GiB,
+                room / GiB,
+            )
+
+    def _probe_o_direct(self) -> bool:
+        if o_direct_supported(self.directory):
+            return True
+        logger.warning("lmcache disk tier %s: the filesystem refuses O_DIRECT; using buffered I/O", self.directory)
+        return False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of indexed entry files."""
+        return self._index.used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._index.capacity
+
+    @property
+    def o_direct(self) -> bool:
+        """Whether O_DIRECT is in use (asked for and accepted by the filesystem)."""
+        return self._o_direct
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the tier turned itself off at run time, or None while it works."""
+        return self._disabled
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[CacheEngineKey]:
+        """Keys of the entries on disk (not counting queued puts)."""
+        with self._lock:
+            return [e.key for e in self._index.entries()]
+
+    # ------------------------------------------------------------------ contract
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        with self._lock:
+            if self._closed or self._disabled:
+                return False
+            item = self._pending.get(key) or self._index.get(key)
+            if item is None:
+                return False
+            if pin:
+                item.pins += 1
+            return True
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            item = self._pending.get(key) or self._index.get(key)
+            if item is None:
+                return False
+            item.pins = max(0, item.pins - 1)
+            return True
+
+    def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """Queue a write of ``obj``; never blocks. Drops (and counts) it if the queue is full."""
+        key_str = key.to_string()
+        size = header_size(key_str, len(obj.meta.shape), PAGE) + obj.get_size()
+        with self._lock:
+            if self._closed or self._disabled or key in self._pending:
+                return
+            if key in self._index:
+                self._index.touch(key)
+                return
+            if size > self._index.capacity:
+                self.stats.add(puts_rejected_too_large=1)
+                self._log_once(
+                    logging.WARNING,
+                    "too-large",
+                    "lmcache disk tier: entry of %d bytes is larger than the tier (%d bytes); not stored",
+                    size,
+                    self._index.capacity,
+                )
+                return
+            self._seq += 1
+            item = _PendingWrite(key, key_str, obj, self._seq, size)
+            obj.ref_count_up()
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                obj.ref_count_down()
+                self.stats.add(puts_dropped_queue_full=1)
+                self._log_once(
+                    logging.WARNING,
+                    "queue-full",
+                    "lmcache disk tier: write queue full (%d entries); dropping writes until it drains",
+                    self.options.queue_depth,
+                )
+                return
+            self._pending[key] = item
+            self._unwritten.add(item.seq)
+        self.stats.add(puts_accepted=1)
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        """Read ``key`` into a new CPU-pool object (caller owns its reference); None on a miss."""
+        with self._lock:
+            if self._closed or self._disabled:
+                return None
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.obj.ref_count_up()
+                self.stats.add(hits=1)
+                return pending.obj
+            entry = self._index.get(key)
+            if entry is None:
+                self.stats.add(misses=1)
+                return None
+            entry.readers += 1
+            self._index.touch(key)
+        try:
+            return self._read(entry)
+        finally:
+            with self._lock:
+                entry.readers -= 1
+
+    def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+        """Future of :meth:`get_blocking`, read on a reader thread (a known miss resolves at once)."""
+        with self._lock:
+            known = not (self._closed or self._disabled) and (key in self._pending or key in self._index)
+        if not known:
+            self.stats.add(misses=1)
+            return _done(None)
+        try:
+            return self._readers.submit(self.get_blocking, key)
+        except RuntimeError:  # shut down by close()
+            return _done(None)
+
+    def remove(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            pending = self._pending.pop(key, None)
+            if pending is not None:
+                pending.cancelled = True
+            entry = self._index.pop(key)
+            if entry is not None:
+                self._unlink(entry.name)
+        return pending is not None or entry is not None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every put submitted before this call is written and its rename durable.
+
+        Returns False if ``timeout`` seconds passed first. Puts that failed or were
+        dropped count as finished.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            target = self._seq
+            while self._unwritten and min(self._unwritten) <= target:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        self._sync_dir()
+        return True
+
+    def close(self) -> None:
+        """Finish queued writes (up to ``local_disk_close_timeout``), stop the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self.flush(self.options.close_timeout):
+            logger.warning("lmcache disk tier %s: close timed out; unfinished writes are dropped", self.directory)
+        with self._lock:
+            for item in self._pending.values():
+                item.cancelled = True
+        for _ in self._writers:
+            self._queue.put(None)  # behind the remaining items, which see ``cancelled``
+        for t in self._writers:
+            t.join(self.options.close_timeout)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        with self._sync_lock:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+        self._owner.release()
+
+    # ------------------------------------------------------------------ reads
+    def _read(self, entry: DiskEntry) -> MemoryObj | None:
+        meta = entry.meta
+        obj = self.local_cpu.allocate(meta.shape, meta.dtype, meta.fmt)
+        if obj is None:
+            self.stats.add(alloc_failures=1, misses=1)
+            self._log_once(logging.WARNING, "alloc", "lmcache disk tier: CPU pool full; disk hits become misses")
+            return None
+        path = os.path.join(self.directory, entry.name)
+        try:
+            header = self._read_file(path, entry, obj)
+            if header.meta != meta:
+                raise CorruptEntryError(f"entry holds {header.meta}, index says {meta}")
+        except FileNotFoundError:
+            obj.ref_count_down()
+            self.stats.add(misses=1)
+            if not os.path.isdir(self.directory):
+                self._disable("the cache directory was removed")
+            else:
+                with self._lock:
+                    self._index.discard(entry)
+            return None
+        except CorruptEntryError as exc:
+            obj.ref_count_down()
+            self.stats.add(corrupt_entries=1, misses=1)
+            self._log_once(logging.WARNING, "corrupt", "lmcache disk tier: deleting corrupt entry %s: %s", path, exc)
+            self._drop_bad(entry)
+            return None
+        except OSError as exc:
+            obj.ref_count_down()
+            self.stats.add(read_errors=1, misses=1)
+            self._log_once(
+                logging.WARNING, "read-error", "lmcache disk tier: deleting unreadable entry %s: %s", path, exc
+            )
+            self._drop_bad(entry)
+            return None
+        self.stats.add(hits=1, bytes_read=meta.nbytes)
+        return obj
+
+    def _read_file(self, path: str, entry: DiskEntry, obj: MemoryObj) -> EntryHeader:
+        key = entry.key.to_string()
+        if self._o_direct:
+            try:
+                return read_entry(path, key, entry.header_len, obj.byte_array, o_direct=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_o_direct(exc)
+        return read_entry(path, key, entry.header_len, obj.byte_array, o_direct=False)
+
+    def _drop_bad(self, entry: DiskEntry) -> None:
+        with self._lock:
+            if self._index.discard(entry):
+                self._unlink(entry.name)
+
+    # ------------------------------------------------------------------ writes
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._write_one(item)
+            except Exception:  # a bug must not kill the writer thread; the entry is just not stored
+                logger.exception("lmcache disk tier: unexpected error writing an entry")
+                with self._lock:
+                    self._finish_locked(item)
+            if self._queue.empty():
+                self._sync_dir()
+
+    def _write_one(self, item: _PendingWrite) -> None:
+        """Reserve space, write a temp file, rename it into place. Runs on a writer thread."""
+        name = entry_file_name(item.key_str)
+        with self._lock:
+            if item.cancelled or self._disabled:
+                self._finish_locked(item)
+                return
+            victims = self._index.reserve(item.size)
+            if victims is None:
+                self.stats.add(puts_rejected_no_space=1)
+                self._finish_locked(item)
+                return
+            for victim in victims:
+                self._unlink(victim.name)
+            self.stats.add(evictions=len(victims))
+        payload = item.obj.byte_array
+        tmp = os.path.join(self.directory, temp_file_name(name, self._owner.token, item.seq))
+        try:
+            header = entry_header(item.key_str, item.obj.meta, payload)  # ValueError: dtype not storable
+            self._write_file(tmp, header, payload)
+            with self._lock:
+                if item.cancelled or self._disabled:
+                    remove_quiet(tmp)
+                    self._index.release(item.size)
+                    self._finish_locked(item)
+                    return
+                os.rename(tmp, os.path.join(self.directory, name))
+                entry = DiskEntry(item.key, name, item.obj.meta, len(header), item.size, pins=item.pins)
+                self._index.commit(entry, item.size)
+                self._to_sync.append(item.seq)
+                self.stats.add(writes_completed=1, bytes_written=item.size)
+                self._finish_locked(item)
+        except (OSError, ValueError) as exc:
+            self.stats.add(write_errors=1)
+            self._on_write_error(exc)
+            with self._lock:
+                remove_quiet(tmp)  # write_entry removed its own partial file; this covers a failed rename
+                self._index.release(item.size)
+                self._finish_locked(item)
+
+    def _write_file(self, path: str, header: bytes, payload: torch.Tensor) -> None:
+        if self._o_direct:
+            try:
+                write_entry(path, header, payload, o_direct=True)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._stop_o_direct(exc)
+        write_entry(path, header, payload, o_direct=False)
+
+    def _finish_locked(self, item: _PendingWrite) -> None:
+        """A put leaves the pipeline (written, failed or dropped): drop its reference. Idempotent."""
+        if item.finished:
+            return
+        item.finished = True
+        if self._pending.get(item.key) is item:
+            del self._pending[item.key]
+        self._unwritten.discard(item.seq)
+        item.obj.ref_count_down()
+        self._cond.notify_all()
+
+    def _sync_dir(self) -> None:
+        """fsync the directory so that finished renames survive a power loss."""
+        with self._sync_lock:
+            with self._lock:
+                batch, self._to_sync = self._to_sync, []
+            if not batch or self._dir_fd < 0:
+                return
+            try:
+                os.fsync(self._dir_fd)
+            except OSError as exc:
+                self._log_once(logging.WARNING, "dir-fsync", "lmcache disk tier: directory fsync failed: %s", exc)
+
+    def _on_write_error(self, exc: OSError | ValueError) -> None:
+        if not isinstance(exc, OSError):
+            self._log_once(logging.WARNING, "unstorable", "lmcache disk tier: entry not stored: %s", exc)
+        elif exc.errno in _FULL:
+            self._log_once(
+                logging.WARNING,
+                "full",
+                "lmcache disk tier %s: disk full (%s); skipping writes",
+                self.directory,
+                exc.strerror,
+            )
+        elif exc.errno in _DENIED:
+            self._disable(f"cannot write ({exc.strerror})")
+        elif exc.errno in _GONE and not os.path.isdir(self.directory):
+            self._disable("the cache directory was removed")
+        else:
+            self._log_once(
+                logging.WARNING,
+                f"write-{exc.errno}",
+                "lmcache disk tier %s: write failed (%s); skipped",
+                self.directory,
+                exc,
+            )
+
+    # ------------------------------------------------------------------ failures
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            if self._disabled:
+                return
+            self._disabled = reason
+            self._index.clear()
+            for item in self._pending.values():
+                item.cancelled = True
+        logger.error("lmcache disk tier %s disabled: %s; the engine keeps serving from memory", self.directory, reason)
+
+    def _stop_o_direct(self, exc: OSError) -> None:
+        self._o_direct = False
+        self._log_once(logging.WARNING, "o-direct", "lmcache disk tier: O_DIRECT refused (%s); using buffered I/O", exc)
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(os.path.join(self.directory, name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._log_once(logging.WARNING, "unlink", "lmcache disk tier: cannot delete %s: %s", name, exc)
+
+    def _log_once(self, level: int, kind: str, msg: str, *args: Any) -> None:
+        if kind in self._logged:
+            logger.debug(msg, *args)
+            return
+        self._logged.add(kind)
+        logger.log(level, msg + " (further occurrences logged at debug level)", *args)
+
+
+def _prepare_directory(root: str, directory: str, raw: str | None) -> None:
+    """Create ``root`` and ``directory`` (0700); ConfigError if that is impossible."""
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ConfigError(f"local_disk={raw!r}: {root} exists and is not a directory; expected a directory path")
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise ConfigError(f"local_disk={raw!r}: {directory} exists and is not a directory") from None
+        os.chmod(directory, 0o700)
+    except OSError as exc:
+        raise ConfigError(
+            f"local_disk={raw!r}: cannot create the cache directory {directory} ({exc.strerror}); "
+            "expected a writable directory path"
+        ) from None
