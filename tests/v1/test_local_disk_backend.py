@@ -723,3 +723,21 @@ def test_read_only_at_run_time_disables_the_tier(tmp_path):
 def test_read_only_at_start_is_a_config_error(tmp_path):
     out = _run_in_private_tmpfs(tmp_path, "ro-start")
     assert out["error"] is not None and "local_disk" in out["error"]
+
+
+# ---------------------------------------------------------------------- shared directory, live
+def test_entries_written_by_another_tier_after_start_are_found(tiers):
+    reader = tiers.disk()  # opened (and scanned) before the writer writes anything
+    writer = tiers.disk()
+    assert not reader.contains(key(7))
+    tiers.put(writer, 7)
+    assert writer.flush(10)
+    assert reader.contains(key(7))  # found through the file, without a restart
+    assert torch.equal(read_back(reader, key(7)), expected_bytes(7))
+    assert reader.stats.snapshot()["adopted"] == 1
+    tiers.put(writer, 8)
+    assert writer.flush(10)
+    assert torch.equal(read_back(reader, key(8)), expected_bytes(8))  # get alone finds it too
+    # a file holding another key under this key's name is not adopted
+    os.replace(entry_path(writer, key(8)), entry_path(writer, key(9)))
+    assert not tiers.disk().contains(key(9))

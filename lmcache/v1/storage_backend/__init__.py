@@ -23,8 +23,10 @@ def create_lower_backends(
     """The L2/L3 tiers named by the config (disk, then remote), in lookup order.
 
     ``namespace`` separates caches that share a directory or server (``"kv"``,
-    ``"ec"``, ...). A tier that cannot start logs one error and is left out: the
-    engine keeps serving from the tiers it has.
+    ``"ec"``, ...). A configuration the tier cannot use (a disk path that cannot be
+    created or written, a malformed URL) raises ConfigError here, at start-up. A tier
+    that fails later (disk full, server down, wrong password) logs once and degrades
+    to misses; the engine keeps serving from the other tiers.
     """
     out: list[StorageBackend] = []
     if config.local_disk_path is not None:

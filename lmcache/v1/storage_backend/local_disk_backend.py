@@ -22,7 +22,6 @@ Options (``extra_config``): ``local_disk_o_direct`` (bool, default false),
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -31,7 +30,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
 from lmcache.v1.memory_management import GiB, MemoryObj
+from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
@@ -47,6 +47,7 @@ from lmcache.v1.storage_backend.disk_file import (
     entry_header,
     o_direct_supported,
     read_entry,
+    read_header,
     remove_quiet,
     temp_file_name,
     write_entry,
@@ -120,7 +121,7 @@ class DiskTierOptions:
 
 
 @dataclass(slots=True)
-class DiskTierStats:
+class DiskTierStats(Counters):
     """Counters of one disk tier. Read with :meth:`snapshot`; tiers update with :meth:`add`."""
 
     indexed_at_start: int = 0
@@ -146,16 +147,8 @@ class DiskTierStats:
     alloc_failures: int = 0
     """Hits turned into misses because the CPU pool had no room."""
     evictions: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+    adopted: int = 0
+    """Entry files written by another process after start-up, found on lookup."""
 
 
 @dataclass(slots=True, eq=False)
@@ -315,11 +308,44 @@ class LocalDiskBackend(StorageBackend):
             if self._closed or self._disabled:
                 return False
             item = self._pending.get(key) or self._index.get(key)
-            if item is None:
+            if item is not None:
+                if pin:
+                    item.pins += 1
+                return True
+        if not self._discover(key):
+            return False
+        return self.contains(key, pin) if pin else True
+
+    def _discover(self, key: CacheEngineKey) -> bool:
+        """Index an entry file of ``key`` that another process wrote after our scan.
+
+        This keeps one directory live between processes (a scheduler and its workers,
+        or several engines): a lookup that misses the index reads the header of the
+        file the key maps to. Header only; a missing, unreadable or foreign file is not
+        adopted (a corrupt payload is caught by the verified read later). Called
+        without the lock; never raises.
+        """
+        key_str = key.to_string()
+        name = entry_file_name(key_str)
+        try:
+            header, st = read_header(os.path.join(self.directory, name))
+        except (OSError, ValueError):  # CorruptEntryError is a ValueError
+            return False
+        if header.key != key_str:
+            return False
+        with self._lock:
+            if self._closed or self._disabled:
                 return False
-            if pin:
-                item.pins += 1
-            return True
+            if key in self._index or key in self._pending:
+                return True
+            victims = self._index.reserve(st.st_size)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._unlink(victim.name)
+            self._index.commit(DiskEntry(key, name, header.meta, header.header_len, st.st_size), st.st_size)
+        self.stats.add(adopted=1, evictions=len(victims))
+        return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -379,7 +405,11 @@ class LocalDiskBackend(StorageBackend):
                 self.stats.add(hits=1)
                 return pending.obj
             entry = self._index.get(key)
-            if entry is None:
+        if entry is None and self._discover(key):
+            with self._lock:
+                entry = self._index.get(key)
+        with self._lock:
+            if entry is None or self._index.get(key) is not entry:
                 self.stats.add(misses=1)
                 return None
             entry.readers += 1
@@ -394,7 +424,7 @@ class LocalDiskBackend(StorageBackend):
         """Future of :meth:`get_blocking`, read on a reader thread (a known miss resolves at once)."""
         with self._lock:
             known = not (self._closed or self._disabled) and (key in self._pending or key in self._index)
-        if not known:
+        if not known and not self._discover(key):
             self.stats.add(misses=1)
             return _done(None)
         try:
