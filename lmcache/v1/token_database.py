@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -118,27 +118,17 @@ class ChunkedTokenDatabase:
         self,
         tokens: TokenInput,
         mask: torch.Tensor | np.ndarray | Sequence[bool] | None = None,
-        *,
-        cache_salt: str | None = None,
-        request_configs: Mapping[str, object] | None = None,
-        extra_keys: Sequence[str] | None = None,
-        include_partial: bool | None = None,
+        **extras: Any,
     ) -> Iterator[tuple[int, int, CacheEngineKey]]:
         """Yield ``(start, end, key)`` for each chunk of ``tokens`` selected by ``mask``.
 
         ``mask`` must be False for a prefix whose length is a multiple of chunk_size
         (chunks the caller already has) and True after it; those leading chunks are
         hashed but not yielded. A trailing partial chunk is yielded only when
-        ``save_unfull_chunk`` is true (or ``include_partial`` overrides it).
+        ``save_unfull_chunk`` is true (or ``include_partial`` overrides it). ``extras``
+        are the keyword arguments of :meth:`spans`.
         """
-        for span in self.spans(
-            tokens,
-            mask,
-            cache_salt=cache_salt,
-            request_configs=request_configs,
-            extra_keys=extra_keys,
-            include_partial=include_partial,
-        ):
+        for span in self.spans(tokens, mask, **extras):
             yield span.start, span.end, span.key
 
     def spans(
