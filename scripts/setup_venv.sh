@@ -34,7 +34,7 @@ fi
 VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 
-stamp_core="$VENV/.stamp-core-$(cat pyproject.toml setup.py 2>/dev/null | sha1sum | cut -c1-12)"
+stamp_core="$VENV/.stamp-core-$(cat pyproject.toml setup.py csrc/*.* 2>/dev/null | sha1sum | cut -c1-12)"  # csrc: kernel edits rebuild
 if [[ ! -f "$stamp_core" ]]; then
   log "installing torch==2.13.0 (CPU) and the test dependencies"
   "${PIP[@]}" --upgrade pip setuptools wheel

@@ -2,7 +2,7 @@
 
 Two implementations with one signature:
 
-* native kernels from ``csrc/`` (``lmcache._c_ops``), used when importable and the
+* native kernels from ``csrc/`` (loaded by :mod:`.native`), used when built and the
   tensors are on a device they were built for;
 * a pure-torch fallback (this module), always available.
 

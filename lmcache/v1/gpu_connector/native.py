@@ -1,36 +1,364 @@
-"""Loader for the optional native copy kernels built from ``csrc/`` (``lmcache._c_ops``).
+"""Loader and ctypes binding of the optional native copy kernels built from ``csrc/``.
 
-The extension is optional: if it was not built (no compiler at install time) or fails
-to import, :func:`load` returns None once with one log line, and callers use the
-torch fallback in :mod:`lmcache.v1.gpu_connector.copy_ops`.
+``setup.py`` builds two plain shared libraries next to the package (no Python or torch
+headers involved, so ``pip install`` never needs a CUDA torch):
+
+* ``lmcache/_c_ops_cpu.so`` from ``csrc/paged_copy.cpp`` whenever a C++ compiler exists;
+* ``lmcache/_c_ops_cuda.so`` from ``csrc/paged_copy_cuda.cu`` only when nvcc and a CUDA
+  torch exist at build time.
+
+:func:`load` returns a :class:`NativeKernels` (or None, logged once, when the CPU library
+is missing, stale or broken); :mod:`.copy_ops` then uses the torch fallback. Both methods
+of :class:`NativeKernels` take the arguments of :func:`.copy_ops.paged_gather` /
+:func:`.copy_ops.paged_scatter`. ctypes releases the GIL for the whole native call.
+
+Environment:
+
+* ``LMCACHE_NATIVE_LIB``: path of the CPU library to load instead of the packaged one
+  (used to run a bounds-checked or sanitizer build);
+* ``LMCACHE_NATIVE_THREADS``: worker threads per CPU call (default 1; more only helps on
+  an idle machine with spare cores);
+* ``LMCACHE_NATIVE_ISA=sse2``: read by the library when it loads; disables its AVX2 paths
+  (tests use it to cover the SSE2 ones);
+* ``LMCACHE_USE_NATIVE=0`` (read by :mod:`.copy_ops`): always use the torch fallback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
-from types import ModuleType
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
+from lmcache.v1.gpu_connector.layouts import PagedGeometry
+
 logger = logging.getLogger(__name__)
+
+ABI_VERSION = 1  # csrc/paged_copy.h LMC_ABI_VERSION
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
+CPU_LIBRARY = PACKAGE_DIR / "_c_ops_cpu.so"
+CUDA_LIBRARY = PACKAGE_DIR / "_c_ops_cuda.so"
+
+GATHER, SCATTER = 0, 1
+NT_AUTO, NT_ALWAYS, NT_NEVER = 0, 1, 2
+_OK, _ERR_ARGS, _ERR_SLOT, _ERR_BOUNDS, _ERR_CUDA, _ERR_NOMEM = 0, 1, 2, 3, 4, 5
+
+
+class _Args(ctypes.Structure):
+    """Mirror of ``LmcCopyArgs`` in csrc/paged_copy.h (field order matters)."""
+
+    _fields_ = [
+        (name, ctypes.c_int64)
+        for name in (
+            "direction",
+            "elem_size",
+            "num_layers",
+            "num_comps",
+            "num_chunks",
+            "num_blocks",
+            "block_size",
+            "num_heads",
+            "head_size",
+            "num_slots",
+            "num_threads",
+            "flags",
+            "unit_bytes",
+            "total_tokens",
+        )
+    ] + [
+        (name, ctypes.c_void_p)
+        for name in (
+            "comps",
+            "layer_ptrs",
+            "slots",
+            "chunk_info",
+            "mem_ptrs",
+            "chunk_prefix",
+            "layer_bounds",
+            "mem_bounds",
+            "error_info",
+        )
+    ]
+
+
+def _i64_array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * max(1, len(values)))(*values)
+
+
+def _u64_array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_uint64 * max(1, len(values)))(*values)
+
+
+def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi) bytes spanned by a tensor's elements (non-negative strides)."""
+    lo = t.data_ptr()
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+def _env_threads() -> int:
+    raw = os.environ.get("LMCACHE_NATIVE_THREADS", "1")
+    try:
+        return max(1, int(raw))
+    except ValueError:
+        logger.warning("LMCACHE_NATIVE_THREADS=%r is not an integer; using 1 thread", raw)
+        return 1
+
+
+class NativeKernels:
+    """ctypes binding of one build of the csrc kernels.
+
+    CPU calls block until the copy is complete and run on the calling thread (plus
+    ``num_threads - 1`` short-lived workers). CUDA calls enqueue one kernel on the
+    current CUDA stream of the KV device and return; memory objects may live on that
+    device or in pinned host memory. The caller owns every tensor before and after.
+    """
+
+    def __init__(self, cpu: ctypes.CDLL, cuda: ctypes.CDLL | None = None, *, path: str = "") -> None:
+        self.path = path
+        self._cpu = cpu
+        self._cuda = cuda
+        self.bounds_checked = bool(cpu.lmc_bounds_checked())
+        self.num_threads = _env_threads()
+        self.nt_mode = NT_AUTO
+
+    @property
+    def has_cuda(self) -> bool:
+        return self._cuda is not None
+
+    # ------------------------------------------------------------------ public API
+    def paged_gather(
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        dsts: Sequence[torch.Tensor],
+    ) -> None:
+        """Paged KV -> cache memory (semantics of :func:`.copy_ops.paged_gather`)."""
+        self._copy(GATHER, kv_layers, geom, slot_mapping, starts, dsts)
+
+    def paged_scatter(
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        srcs: Sequence[torch.Tensor],
+    ) -> None:
+        """Cache memory -> paged KV (semantics of :func:`.copy_ops.paged_scatter`)."""
+        self._copy(SCATTER, kv_layers, geom, slot_mapping, starts, srcs)
+
+    # ------------------------------------------------------------------ internals
+    def _copy(
+        self,
+        direction: int,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        mems: Sequence[torch.Tensor],
+    ) -> None:
+        layers = list(kv_layers)
+        mems = list(mems)
+        if not mems:
+            return
+        if not layers:
+            raise ValueError("kv_layers: expected at least one layer tensor")
+        if len(starts) != len(mems):
+            raise ValueError(f"starts: {len(starts)} entries for {len(mems)} memory tensors")
+        first = layers[0]
+        for i, layer in enumerate(layers):
+            if layer.dtype != first.dtype or layer.device != first.device or layer.stride() != first.stride():
+                raise ValueError(
+                    f"kv_layers[{i}]: dtype/device/strides {layer.dtype}/{layer.device}/{layer.stride()} differ "
+                    f"from layer 0 ({first.dtype}/{first.device}/{first.stride()})"
+                )
+        slots = slot_mapping
+        if slots.dtype != torch.int64 or slots.device != first.device or not slots.is_contiguous():
+            slots = slots.to(device=first.device, dtype=torch.int64).contiguous()
+        num_comps, num_layers, hidden = len(geom.components), len(layers), geom.hidden
+        chunk_info: list[int] = []
+        for i, (start, mem) in enumerate(zip(starts, mems)):
+            if mem.dim() != 4 or mem.shape[0] != num_comps or mem.shape[1] != num_layers or mem.shape[3] != hidden:
+                raise ValueError(
+                    f"dsts/srcs[{i}]: shape {tuple(mem.shape)}, expected [{num_comps}, {num_layers}, T, {hidden}]"
+                )
+            if mem.dtype != first.dtype:
+                raise TypeError(f"dsts/srcs[{i}]: dtype {mem.dtype} does not match the KV dtype {first.dtype}")
+            if mem.stride(3) != 1 and hidden > 1:
+                raise ValueError(f"dsts/srcs[{i}]: last dim must be contiguous, strides {mem.stride()}")
+            count = mem.shape[2]
+            if start < 0 or start + count > slots.shape[0]:
+                raise ValueError(f"slot_mapping: has {slots.shape[0]} entries, chunk needs [{start}, {start + count})")
+            chunk_info += [int(start), count, mem.stride(0), mem.stride(1), mem.stride(2)]
+
+        comps = [v for c in geom.components for v in c.as_tuple()]
+        error_info = _i64_array([0, 0])
+        arrays: dict[str, ctypes.Array] = {"error_info": error_info}
+        args = _Args(
+            direction=direction,
+            elem_size=first.element_size(),
+            num_layers=num_layers,
+            num_comps=num_comps,
+            num_chunks=len(mems),
+            num_blocks=geom.num_blocks,
+            block_size=geom.block_size,
+            num_heads=geom.num_heads,
+            head_size=geom.head_size,
+            num_slots=slots.shape[0],
+            num_threads=self.num_threads,
+            flags=self.nt_mode,
+            slots=slots.data_ptr(),
+            error_info=ctypes.addressof(error_info),
+        )
+        layer_ptrs = [t.data_ptr() for t in layers]
+        mem_ptrs = [t.data_ptr() for t in mems]
+        if first.device.type == "cuda":
+            self._launch_cuda(args, first, comps, layer_ptrs, chunk_info, mem_ptrs, geom)
+            return
+        if self.bounds_checked:
+            arrays["layer_bounds"] = _u64_array([b for t in layers for b in _byte_extent(t)])
+            arrays["mem_bounds"] = _u64_array([b for t in mems for b in _byte_extent(t)])
+        arrays.update(
+            comps=_i64_array(comps),
+            layer_ptrs=_u64_array(layer_ptrs),
+            chunk_info=_i64_array(chunk_info),
+            mem_ptrs=_u64_array(mem_ptrs),
+        )
+        for name, arr in arrays.items():
+            setattr(args, name, ctypes.addressof(arr))
+        rc = self._cpu.lmc_paged_copy(ctypes.byref(args))
+        self._raise_for(rc, error_info, geom)
+
+    def _launch_cuda(
+        self,
+        args: _Args,
+        first: torch.Tensor,
+        comps: list[int],
+        layer_ptrs: list[int],
+        chunk_info: list[int],
+        mem_ptrs: list[int],
+        geom: PagedGeometry,
+    ) -> None:
+        assert self._cuda is not None, "caller checks supports() first"
+        counts = chunk_info[1::5]
+        prefix = [0]
+        for n in counts:
+            prefix.append(prefix[-1] + n)
+        parts = [comps, layer_ptrs, chunk_info, mem_ptrs, prefix]
+        meta = torch.tensor([v for p in parts for v in p], dtype=torch.int64).to(first.device)
+        base, offset = meta.data_ptr(), 0
+        for name, part in zip(("comps", "layer_ptrs", "chunk_info", "mem_ptrs", "chunk_prefix"), parts):
+            setattr(args, name, base + 8 * offset)
+            offset += len(part)
+        args.total_tokens = prefix[-1]
+        args.unit_bytes = _cuda_unit_bytes(first.element_size(), geom, comps, layer_ptrs, mem_ptrs, chunk_info)
+        stream = torch.cuda.current_stream(first.device).cuda_stream
+        rc = self._cuda.lmc_paged_copy_cuda(ctypes.byref(args), first.device.index or 0, ctypes.c_void_p(stream))
+        if rc == _ERR_CUDA:
+            raise RuntimeError(f"native CUDA copy failed: {self._cuda.lmc_cuda_last_error().decode()}")
+        self._raise_for(rc, None, geom)
+
+    @staticmethod
+    def _raise_for(rc: int, error_info: ctypes.Array | None, geom: PagedGeometry) -> None:
+        if rc == _OK:
+            return
+        if rc == _ERR_SLOT and error_info is not None:
+            raise IndexError(
+                f"slot_mapping[{error_info[0]}] = {error_info[1]}: outside the paged cache "
+                f"({geom.num_blocks} blocks x {geom.block_size} slots)"
+            )
+        if rc == _ERR_BOUNDS:
+            raise RuntimeError("native copy: out-of-bounds access detected by the bounds-checked build")
+        if rc == _ERR_NOMEM:
+            raise MemoryError("native copy: could not allocate its work arrays")
+        raise ValueError(f"native copy rejected its arguments (code {rc})")
+
+
+def _cuda_unit_bytes(
+    es: int,
+    geom: PagedGeometry,
+    comps: list[int],
+    layer_ptrs: list[int],
+    mem_ptrs: list[int],
+    chunk_info: list[int],
+) -> int:
+    """Widest load/store (<= 16 bytes) that divides every offset the CUDA kernel forms."""
+    if geom.head_size > 1 and any(c.dim_stride != 1 for c in geom.components):
+        return es
+    unit = 16
+    strides = [v for i, v in enumerate(comps) if i % 5 != 4] + [v for i, v in enumerate(chunk_info) if i % 5 >= 2]
+    for v in [geom.head_size * es, *layer_ptrs, *mem_ptrs, *(s * es for s in strides)]:
+        unit = math.gcd(unit, v)
+    return max(unit, es)
+
+
+def _bind(lib: ctypes.CDLL, *, cuda: bool) -> None:
+    lib.lmc_abi_version.restype = ctypes.c_int
+    lib.lmc_abi_version.argtypes = []
+    if cuda:
+        lib.lmc_paged_copy_cuda.restype = ctypes.c_int
+        lib.lmc_paged_copy_cuda.argtypes = [ctypes.POINTER(_Args), ctypes.c_int, ctypes.c_void_p]
+        lib.lmc_cuda_last_error.restype = ctypes.c_char_p
+        lib.lmc_cuda_last_error.argtypes = []
+    else:
+        lib.lmc_bounds_checked.restype = ctypes.c_int
+        lib.lmc_bounds_checked.argtypes = []
+        lib.lmc_paged_copy.restype = ctypes.c_int
+        lib.lmc_paged_copy.argtypes = [ctypes.POINTER(_Args)]
+    version = lib.lmc_abi_version()
+    if version != ABI_VERSION:
+        raise RuntimeError(f"ABI version {version}, expected {ABI_VERSION} (rebuild with `pip install -e .`)")
+
+
+def load_library(cpu_path: str | os.PathLike[str], cuda_path: str | os.PathLike[str] | None = None) -> NativeKernels:
+    """Load one build of the kernels; raises OSError/RuntimeError/AttributeError when unusable.
+
+    The CUDA library is optional: when ``cuda_path`` is given but cannot be loaded, the
+    result has ``has_cuda == False`` (logged once).
+    """
+    cpu = ctypes.CDLL(str(cpu_path))
+    _bind(cpu, cuda=False)
+    cuda = None
+    if cuda_path is not None:
+        try:
+            cuda = ctypes.CDLL(str(cuda_path))
+            _bind(cuda, cuda=True)
+        except (OSError, AttributeError, RuntimeError) as exc:
+            logger.info("lmcache native CUDA kernels unavailable (%s); CUDA copies use the torch fallback", exc)
+            cuda = None
+    return NativeKernels(cpu, cuda, path=str(cpu_path))
 
 
 @functools.cache
-def load() -> ModuleType | None:
-    """The native module, or None (logged once) when it is unavailable."""
+def load() -> NativeKernels | None:
+    """The native kernels, or None (logged once) when they are unavailable."""
+    cpu_path = Path(os.environ.get("LMCACHE_NATIVE_LIB") or CPU_LIBRARY)
+    cuda_path = CUDA_LIBRARY if CUDA_LIBRARY.exists() and torch.cuda.is_available() else None
     try:
-        from lmcache import _c_ops  # type: ignore[attr-defined]
-    except ImportError as exc:
+        return load_library(cpu_path, cuda_path)
+    except (OSError, AttributeError, RuntimeError) as exc:
         logger.info("lmcache native copy kernels unavailable (%s); using the torch fallback", exc)
         return None
-    return _c_ops
 
 
-def supports(mod: ModuleType, kv: torch.Tensor, mem: torch.Tensor) -> bool:
-    """Whether ``mod`` has kernels for this pair of devices."""
-    if kv.device.type == "cpu" and mem.device.type == "cpu":
-        return True
-    if kv.device.type == "cuda":
-        return bool(getattr(mod, "has_cuda", False))
+def supports(mod: NativeKernels, kv: torch.Tensor, mems: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """Whether ``mod`` has kernels for KV on ``kv.device`` and these memory tensors.
+
+    CPU kernels need everything on the CPU. CUDA kernels need each memory tensor on the
+    KV device or in pinned host memory (reached through unified addressing).
+    """
+    mem_list = [mems] if isinstance(mems, torch.Tensor) else list(mems)
+    if kv.device.type == "cpu":
+        return all(m.device.type == "cpu" for m in mem_list)
+    if kv.device.type == "cuda" and mod.has_cuda:
+        return all(m.device == kv.device or (m.device.type == "cpu" and m.is_pinned()) for m in mem_list)
     return False
