@@ -1,0 +1,80 @@
+"""The scheduler -> worker message of one step: per-request load and save specs.
+
+Plain picklable data (numpy arrays, ints, strings): vLLM ships it to every worker
+process with the scheduler output. Built by
+:class:`lmcache.integration.vllm.request_tracker.RequestPlanner`, consumed by
+:class:`lmcache.integration.vllm.worker_side.WorkerConnector`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+try:  # vLLM's marker base class; the data below does not depend on it
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as _VLLMMetadata
+except ImportError:  # pragma: no cover - vLLM is optional for the pure logic
+
+    class _VLLMMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Write cached KV into the paged cache for tokens ``[num_local, num_local + num_external)``.
+
+    ``num_local``: tokens vLLM already has in its own prefix cache (never written).
+    ``num_external``: tokens vLLM was told it need not compute.
+    ``load_len``: length of the token prefix whose chunk keys are fetched (a chunk
+    boundary at or after the end of the external range, or the prompt end for a
+    cached partial chunk).
+    """
+
+    num_local: int
+    num_external: int
+    load_len: int
+
+    @property
+    def end(self) -> int:
+        return self.num_local + self.num_external
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store the KV of tokens ``[skip, end)``; ``skip`` is a multiple of the chunk size."""
+
+    skip: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReqMeta:
+    """One request's work in one step.
+
+    ``token_ids`` and ``slot_mapping`` cover the first ``max(load_len, save.end)``
+    tokens. ``slot_mapping[i] = block_id * block_size + offset``; -1 where no block is
+    allocated. ``key_extras`` go into the chunk keys (``cache_salt``, ``extra_keys``).
+    ``invalid_block_ids``: blocks vLLM counts as loaded but the scheduler side could
+    not plan a load for; the worker reports them as load errors (recompute).
+    """
+
+    req_id: str
+    token_ids: np.ndarray
+    slot_mapping: np.ndarray
+    block_size: int
+    load: LoadSpec | None = None
+    save: SaveSpec | None = None
+    key_extras: dict[str, Any] = field(default_factory=dict)
+    invalid_block_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class LMCacheConnectorMetadata(_VLLMMetadata):
+    """All requests with a load or a save in this step."""
+
+    requests: list[ReqMeta] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)

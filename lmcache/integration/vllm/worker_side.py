@@ -1,0 +1,375 @@
+"""Worker-side half of the adapter: load cached KV before the forward, save after it.
+
+Thread and blocking: every method runs on the worker thread that runs the forward
+pass, in vLLM's order per step: ``bind`` -> ``start_load_kv`` -> per layer
+(``wait_for_layer_load``, attention, ``save_kv_layer``) -> ``wait_for_save`` ->
+``take_load_errors``. Copies are synchronous on CPU (on CUDA the GPU connector
+synchronises its side streams before returning), so when ``start_load_kv`` returns
+the KV is in vLLM's paged cache, and when ``wait_for_save`` returns it is in lmcache.
+
+Bulk mode (``use_layerwise: false``): one ``LMCacheEngine.retrieve`` per loading
+request in ``start_load_kv`` and one ``LMCacheEngine.store`` per saving request in
+``wait_for_save``.
+
+Layerwise mode: ``start_load_kv`` creates a ``retrieve_layer`` generator per loading
+request and advances it twice (setup, layer 0); each ``wait_for_layer_load`` advances
+every generator one step (the next layer; after the last layer the generator returns
+the retrieved-token mask). The first ``save_kv_layer`` of a step creates a
+``store_layer`` generator per saving request and every ``save_kv_layer`` advances them
+one layer; ``wait_for_save`` makes the final call. A request that also loads in the
+same step is stored whole in ``wait_for_save`` instead, once its load is known to be
+complete, so a failed load can never put half-loaded KV into the cache.
+
+Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
+promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
+(``kv_load_failure_policy="recompute"``) then recomputes them. The request's saves
+are skipped for that step (its KV is not trustworthy yet). One log line per kind of
+failure; counters in ``CacheStats``.
+
+Memory: the adapter keeps references to vLLM's KV tensors (registered once) and to
+the step's metadata until the next ``bind``; lmcache memory objects are owned and
+released by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
+from lmcache.integration.vllm.utils import WarnOnce, blocks_of_tokens, ordered_layers
+from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache.v1.gpu_connector.layouts import detect_layout
+
+logger = logging.getLogger(__name__)
+
+
+def chunk_mask(n: int, skip: int, chunk_size: int) -> torch.Tensor | None:
+    """Engine mask for ``n`` tokens whose first ``skip`` (rounded down to chunks) are left alone."""
+    skip -= skip % chunk_size
+    if skip <= 0:
+        return None
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[:skip] = False
+    return mask
+
+
+@dataclass(slots=True)
+class _Retrieval:
+    req: ReqMeta
+    gen: Iterator[torch.Tensor | None]
+    errors_before: int
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Storage:
+    req: ReqMeta
+    gen: Iterator[None]
+
+
+class WorkerConnector:
+    """Loads and saves KV for the requests of each step (see the module docstring)."""
+
+    def __init__(self, engine: LMCacheEngine, *, layerwise: bool) -> None:
+        self.engine = engine
+        self.layerwise = layerwise
+        self.chunk_size = engine.config.chunk_size
+        self.kvcaches: list[torch.Tensor] | None = None
+        self.layer_names: list[str] = []
+        self._layer_set: set[str] = set()
+        self.enabled = True
+        self._reqs: list[ReqMeta] = []
+        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._retrievals: list[_Retrieval] = []
+        self._storages: list[_Storage] | None = None
+        self.warn = WarnOnce(logger)
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's per-layer KV tensors (model order is recovered from the names)."""
+        names = ordered_layers(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        md = self.engine.metadata
+        problem = None
+        if len(tensors) != md.num_layers:
+            problem = f"{len(tensors)} KV layers registered, the model config says {md.num_layers}"
+        elif tensors[0].dtype != md.kv_dtype:
+            problem = f"KV dtype {tensors[0].dtype} differs from the expected {md.kv_dtype}"
+        else:
+            try:
+                detect_layout(tensors[0], use_mla=md.use_mla).geometry(tensors[0])
+            except ValueError as exc:
+                problem = str(exc)
+        if problem is not None:
+            self.enabled = False
+            logger.error("lmcache disabled for this worker: %s; vLLM runs without the cache", problem)
+            return
+        self.kvcaches = tensors
+        self.layer_names = names
+        self._layer_set = set(names)
+        register = getattr(self.engine.gpu_connector, "register_kv_caches", None)
+        if register is not None:
+            register(tensors)
+        logger.info(
+            "lmcache: registered %d KV layers, shape %s, dtype %s (%s mode)",
+            len(tensors),
+            tuple(tensors[0].shape),
+            tensors[0].dtype,
+            "layerwise" if self.layerwise else "bulk",
+        )
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, metadata: Any) -> None:
+        """New step: take its metadata and reset the per-step state."""
+        self._close_generators()
+        self._reqs = list(metadata.requests) if isinstance(metadata, LMCacheConnectorMetadata) else []
+        self._failed = set()
+        for req in self._reqs:
+            if req.invalid_block_ids:
+                self._load_errors.update(req.invalid_block_ids)
+                self._failed.add(req.req_id)
+
+    def _usable(self) -> bool:
+        return self.enabled and self.kvcaches is not None
+
+    def start_load_kv(self) -> None:
+        loads = [r for r in self._reqs if r.load is not None and r.req_id not in self._failed]
+        if not loads:
+            return
+        if not self._usable():
+            for req in loads:
+                self._fail(
+                    req,
+                    req.load.num_local,
+                    "disabled",
+                    "lmcache: cache unusable on this worker; recomputing %s",
+                    req.req_id,
+                )
+            return
+        for i, req in enumerate(loads):
+            if self.layerwise:
+                self._start_retrieval(req, last=i == len(loads) - 1)
+            else:
+                self._load_bulk(req)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._retrievals or layer_name not in self._layer_set:
+            return
+        for r in self._retrievals:
+            self._advance_retrieval(r)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self.layerwise or layer_name not in self._layer_set or not self._usable():
+            return
+        if self._storages is None:
+            self._storages = []
+            streaming = [
+                r for r in self._reqs if r.save is not None and r.load is None and r.req_id not in self._failed
+            ]
+            for i, req in enumerate(streaming):
+                self._start_storage(req, first=i == 0)
+        for s in list(self._storages):
+            self._advance_storage(s)
+
+    def wait_for_save(self) -> None:
+        # a retrieval the forward did not drive to its end (safety net)
+        for r in self._retrievals:
+            while not r.done:
+                self._advance_retrieval(r)
+        self._retrievals = []
+        if not self._usable():
+            self._storages = None
+            return
+        streamed: set[str] = set()
+        for s in self._storages or ():
+            streamed.add(s.req.req_id)
+            self._finish_storage(s)
+        self._storages = None
+        for req in self._reqs:
+            if req.save is None or req.req_id in self._failed or req.req_id in streamed:
+                continue
+            self._store_whole(req)
+
+    def fail_all_loads(self, exc: BaseException) -> None:
+        """An unexpected error in a load phase: every load of this step becomes a recompute."""
+        self._close_generators()
+        for req in self._reqs:
+            if req.load is not None and req.req_id not in self._failed:
+                self._fail(
+                    req,
+                    req.load.num_local,
+                    "load",
+                    "lmcache: load of %s failed (%s: %s); recomputing",
+                    req.req_id,
+                    type(exc).__name__,
+                    exc,
+                )
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # ------------------------------------------------------------------ loads
+    def _load_args(self, req: ReqMeta) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
+        spec = req.load
+        assert spec is not None
+        n = spec.load_len
+        slots = torch.as_tensor(np.array(req.slot_mapping[:n], dtype=np.int64))
+        slots[: spec.num_local] = -1  # vLLM's own prefix-cache blocks: never written
+        slots[spec.end :] = -1  # computed by this step's forward anyway
+        kwargs = dict(req.key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
+        return req.token_ids[:n], chunk_mask(n, spec.num_local, self.chunk_size), kwargs
+
+    def _load_bulk(self, req: ReqMeta) -> None:
+        try:
+            tokens, mask, kwargs = self._load_args(req)
+            ret = self.engine.retrieve(tokens, mask, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
+            self.engine.stats.add(load_errors=1)
+            self._fail(
+                req,
+                req.load.num_local,
+                "load",
+                "lmcache: load of %s failed (%s: %s); recomputing",
+                req.req_id,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._check_loaded(req, ret, count=True)
+
+    def _check_loaded(self, req: ReqMeta, ret: torch.Tensor, *, count: bool) -> None:
+        spec = req.load
+        assert spec is not None
+        got = ret[spec.num_local : spec.end]
+        if got.numel() == spec.num_external and bool(got.all()):
+            return
+        bad = (~got).nonzero()
+        first_bad = spec.num_local + (int(bad[0, 0]) if bad.numel() else got.numel())
+        if count:
+            self.engine.stats.add(load_errors=1)
+        self._fail(
+            req,
+            first_bad,
+            "short",
+            "lmcache: %s got %d of %d promised tokens from the cache (entry lost or corrupt); recomputing the rest",
+            req.req_id,
+            first_bad - spec.num_local,
+            spec.num_external,
+        )
+
+    def _fail(self, req: ReqMeta, first_bad: int, kind: str, msg: str, *args: Any) -> None:
+        spec = req.load
+        assert spec is not None
+        self._failed.add(req.req_id)
+        blocks = blocks_of_tokens(req.slot_mapping, req.block_size, first_bad, spec.end)
+        self._load_errors.update(blocks)
+        self.warn(kind, msg, *args)
+
+    def _start_retrieval(self, req: ReqMeta, *, last: bool) -> None:
+        before = self.engine.stats.load_errors
+        try:
+            tokens, mask, kwargs = self._load_args(req)
+            gen = self.engine.retrieve_layer(tokens, mask, sync=last, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self._retrieval_failed(req, exc)
+            return
+        r = _Retrieval(req, gen, before)
+        self._retrievals.append(r)
+        self._advance_retrieval(r)  # setup
+        self._advance_retrieval(r)  # layer 0
+
+    def _advance_retrieval(self, r: _Retrieval) -> None:
+        if r.done:
+            return
+        try:
+            out = next(r.gen)
+        except Exception as exc:  # noqa: BLE001 - StopIteration too: the generator ended early
+            r.done = True
+            self._retrieval_failed(r.req, exc)
+            return
+        if isinstance(out, torch.Tensor):
+            r.done = True
+            r.gen.close()  # type: ignore[attr-defined]
+            self._check_loaded(r.req, out, count=self.engine.stats.load_errors == r.errors_before)
+
+    def _retrieval_failed(self, req: ReqMeta, exc: BaseException) -> None:
+        self.engine.stats.add(load_errors=1)
+        self._fail(
+            req,
+            req.load.num_local,
+            "layer-load",
+            "lmcache: layerwise load of %s failed (%s: %s); recomputing",
+            req.req_id,
+            type(exc).__name__,
+            exc,
+        )
+
+    # ------------------------------------------------------------------ saves
+    def _save_args(self, req: ReqMeta) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
+        spec = req.save
+        assert spec is not None
+        slots = torch.as_tensor(np.array(req.slot_mapping[: spec.end], dtype=np.int64))
+        kwargs = dict(req.key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
+        return req.token_ids[: spec.end], chunk_mask(spec.end, spec.skip, self.chunk_size), kwargs
+
+    def _store_whole(self, req: ReqMeta) -> None:
+        try:
+            tokens, mask, kwargs = self._save_args(req)
+            self.engine.store(tokens, mask, **kwargs)  # the layerwise engine runs a whole generator
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            self.warn("save", "lmcache: save of %s failed (%s: %s); skipped", req.req_id, type(exc).__name__, exc)
+
+    def _start_storage(self, req: ReqMeta, *, first: bool) -> None:
+        try:
+            tokens, mask, kwargs = self._save_args(req)
+            gen = self.engine.store_layer(tokens, mask, sync=first, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            self.warn("save", "lmcache: save of %s failed (%s: %s); skipped", req.req_id, type(exc).__name__, exc)
+            return
+        assert self._storages is not None
+        self._storages.append(_Storage(req, gen))
+
+    def _advance_storage(self, s: _Storage) -> None:
+        try:
+            next(s.gen)
+        except Exception as exc:  # noqa: BLE001 - StopIteration too (more layers than the engine knows)
+            self._drop_storage(s, exc)
+
+    def _finish_storage(self, s: _Storage) -> None:
+        try:
+            for _ in s.gen:  # the remaining calls, normally just the final one
+                pass
+        except Exception as exc:  # noqa: BLE001
+            self._drop_storage(s, exc)
+
+    def _drop_storage(self, s: _Storage, exc: BaseException) -> None:
+        close = getattr(s.gen, "close", None)
+        if close is not None:
+            close()
+        if self._storages is not None and s in self._storages:
+            self._storages.remove(s)
+        self.warn(
+            "layer-save",
+            "lmcache: layerwise save of %s failed (%s: %s); skipped",
+            s.req.req_id,
+            type(exc).__name__,
+            exc,
+        )
+
+    # ------------------------------------------------------------------ cleanup
+    def _close_generators(self) -> None:
+        for r in self._retrievals:
+            r.gen.close()  # type: ignore[attr-defined]
+        for s in self._storages or ():
+            s.gen.close()  # type: ignore[attr-defined]
+        self._retrievals = []
+        self._storages = None

