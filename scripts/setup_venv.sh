@@ -40,7 +40,7 @@ PIP=("$VPY" -m pip install -q --disable-pip-version-check)
 stamp_core="$VENV/.stamp-core-$(cat pyproject.toml setup.py csrc/*.* 2>/dev/null | sha1sum | cut -c1-12)"  # csrc: kernel edits rebuild
 if [[ ! -f "$stamp_core" ]]; then
   log "installing torch==2.13.0 (CPU) and the test dependencies"
-  "${PIP[@]}" --upgrade pip setuptools wheel
+  "${PIP[@]}" --upgrade pip
   "${PIP[@]}" torch==2.13.0
   "${PIP[@]}" -e ".[test]"
   touch "$stamp_core"
