@@ -26,23 +26,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import native
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 
-GB = 1e9
-
-
-def memcpy_gbps(src: torch.Tensor, reps: int) -> float:
-    """numpy copy of src's bytes into a reused 256 MiB buffer, piecewise (memory bound)."""
-    flat = src.view(-1).view(torch.uint8).numpy()
-    piece = 256 << 20
-    dst = np.empty(min(piece, flat.size), dtype=np.uint8)
-    np.copyto(dst, flat[: dst.size])  # touch the destination once
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for off in range(0, flat.size, piece):
-            part = flat[off : off + piece]
-            np.copyto(dst[: part.size], part)
-        best = min(best, time.perf_counter() - t0)
-    return flat.size / best / GB
+from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> tuple[float, float, float, int]:

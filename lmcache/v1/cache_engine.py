@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.gpu_connector.copy_ops import first_negative_slot
 from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheEngineMetadata
@@ -90,14 +91,6 @@ class LMCacheEngine:
             raise ValueError("gpu_connector: this engine was built without one; store/retrieve need it")
         return self.gpu_connector
 
-    @staticmethod
-    def _first_negative_slot(slot_mapping: Any, n: int) -> int:
-        """Index of the first negative slot among the first n tokens, or n."""
-        if not isinstance(slot_mapping, torch.Tensor):
-            return n
-        neg = (slot_mapping[:n] < 0).nonzero()
-        return int(neg[0, 0]) if neg.numel() else n
-
     # ------------------------------------------------------------------ store
     def store(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
         """Copy the KV of ``tokens`` (where ``mask`` is True) into the cache.
@@ -119,7 +112,7 @@ class LMCacheEngine:
         if not spans:
             return 0
         connector = self._connector()
-        limit = self._first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
+        limit = first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
         spans = [s for s in spans if s.end <= limit]
         # one batched lookup (one round trip for remote tiers): skip the cached prefix
         cached = self.storage_manager.batched_contains([s.key for s in spans])

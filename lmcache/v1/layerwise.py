@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import torch
 
 from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+from lmcache.v1.gpu_connector.copy_ops import first_negative_slot
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.storage_manager import StorageManager
@@ -139,13 +140,6 @@ def _layerwise_connector(engine: LMCacheEngine) -> LayerwiseGPUConnector:
     return connector
 
 
-def _first_negative_slot(slot_mapping: Any, n: int) -> int:
-    if not isinstance(slot_mapping, torch.Tensor):
-        return n
-    neg = (slot_mapping[:n] < 0).nonzero()
-    return int(neg[0, 0]) if neg.numel() else n
-
-
 # ---------------------------------------------------------------------- store
 @dataclass(slots=True)
 class StoreOutcome:
@@ -203,7 +197,7 @@ def _store_steps(engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens
         spans: list[ChunkSpan] = engine.token_database.spans(tokens, mask, **req.key_extras)
         engine.stats.add(store_requests=1)
         if spans:
-            limit = _first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
+            limit = first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
             spans = [s for s in spans if s.end <= limit]
         keys = layer_keys([s.key for s in spans], num_layers)
         todo = [j for j in range(len(spans)) if not all(sm.contains(keys[layer][j]) for layer in range(num_layers))]

@@ -1,0 +1,30 @@
+"""Machine limits measured inside a benchmark run (the denominators of our ratios)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+GB = 1e9
+
+
+def memcpy_gbps(src: torch.Tensor, reps: int) -> float:
+    """numpy copy of ``src``'s bytes into a reused 256 MiB buffer, piecewise (memory bound).
+
+    The destination is touched once before timing, so this is the speed of copying into
+    already-faulted memory, which is what the cache pool gives. Best of ``reps``.
+    """
+    flat = src.reshape(-1).view(torch.uint8).numpy()
+    piece = 256 << 20
+    dst = np.empty(min(piece, flat.size), dtype=np.uint8)
+    np.copyto(dst, flat[: dst.size])
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for off in range(0, flat.size, piece):
+            part = flat[off : off + piece]
+            np.copyto(dst[: part.size], part)
+        best = min(best, time.perf_counter() - t0)
+    return flat.size / best / GB
