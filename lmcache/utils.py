@@ -14,7 +14,7 @@ from urllib.parse import quote, unquote
 _SEP = "@"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class CacheEngineKey:
     """Key of one KV chunk (all layers) of one worker.
 
@@ -29,6 +29,25 @@ class CacheEngineKey:
     chunk_hash: int
     dtype: str
     request_configs: tuple[tuple[str, str], ...] = ()
+
+    # Keys are looked up in dicts on every store/retrieve/lookup; these compare the
+    # 128-bit chunk hash first instead of building field tuples as dataclass eq does.
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (
+            self.chunk_hash == other.chunk_hash  # type: ignore[attr-defined]
+            and self.worker_id == other.worker_id  # type: ignore[attr-defined]
+            and self.world_size == other.world_size  # type: ignore[attr-defined]
+            and self.model_name == other.model_name  # type: ignore[attr-defined]
+            and self.dtype == other.dtype  # type: ignore[attr-defined]
+            and self.request_configs == other.request_configs  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.chunk_hash, self.worker_id))
 
     def to_string(self) -> str:
         """Stable text form: ``model@world@worker@hash@dtype[@k=v&k=v]``."""
@@ -85,11 +104,29 @@ class CacheEngineKey:
         ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LayerCacheEngineKey(CacheEngineKey):
     """Key of one layer of one KV chunk (layerwise pipeline)."""
 
     layer_id: int = 0
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return (
+            self.chunk_hash == other.chunk_hash  # type: ignore[attr-defined]
+            and self.layer_id == other.layer_id  # type: ignore[attr-defined]
+            and self.worker_id == other.worker_id  # type: ignore[attr-defined]
+            and self.world_size == other.world_size  # type: ignore[attr-defined]
+            and self.model_name == other.model_name  # type: ignore[attr-defined]
+            and self.dtype == other.dtype  # type: ignore[attr-defined]
+            and self.request_configs == other.request_configs  # type: ignore[attr-defined]
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.chunk_hash, self.worker_id, self.layer_id))
 
     def to_string(self) -> str:
         return f"{CacheEngineKey.to_string(self)}{_SEP}L{self.layer_id}"

@@ -125,3 +125,22 @@ def test_keys_identical_across_processes_and_hash_seeds():
     local = [k.to_string() for *_, k in make_db().process_tokens(list(range(40)), cache_salt="s")]
     assert outs[0] == outs[1] == local
     assert len(local) == 10
+
+
+def test_key_equality_and_hash():
+    a = CacheEngineKey("m", 1, 0, 5, "bfloat16")
+    same = CacheEngineKey("m", 1, 0, 5, "bfloat16")
+    others = [
+        CacheEngineKey("n", 1, 0, 5, "bfloat16"),
+        CacheEngineKey("m", 2, 0, 5, "bfloat16"),
+        CacheEngineKey("m", 2, 1, 5, "bfloat16"),
+        CacheEngineKey("m", 1, 0, 6, "bfloat16"),
+        CacheEngineKey("m", 1, 0, 5, "float16"),
+        CacheEngineKey("m", 1, 0, 5, "bfloat16", (("tag", "x"),)),
+    ]
+    assert a == same and hash(a) == hash(same) and {a: 1}[same] == 1
+    assert all(a != o for o in others) and len({a, *others}) == 7
+    layers, layers2 = a.split_layers(3), same.split_layers(3)
+    assert layers == layers2 and {k: i for i, k in enumerate(layers)}[layers2[2]] == 2
+    assert layers[0] != a and a != layers[0] and layers[0] != layers[1]
+    assert LayerCacheEngineKey("m", 1, 0, 5, "bfloat16", (), 0) == layers[0]
