@@ -33,18 +33,9 @@ class CacheEngineKey:
     # Keys are looked up in dicts on every store/retrieve/lookup; these compare the
     # 128-bit chunk hash first instead of building field tuples as dataclass eq does.
     def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return (
-            self.chunk_hash == other.chunk_hash  # type: ignore[attr-defined]
-            and self.worker_id == other.worker_id  # type: ignore[attr-defined]
-            and self.world_size == other.world_size  # type: ignore[attr-defined]
-            and self.model_name == other.model_name  # type: ignore[attr-defined]
-            and self.dtype == other.dtype  # type: ignore[attr-defined]
-            and self.request_configs == other.request_configs  # type: ignore[attr-defined]
-        )
+        return self is other or _same_chunk(self, other)  # type: ignore[arg-type]
 
     def __hash__(self) -> int:
         return hash((self.chunk_hash, self.worker_id))
@@ -111,19 +102,9 @@ class LayerCacheEngineKey(CacheEngineKey):
     layer_id: int = 0
 
     def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return (
-            self.chunk_hash == other.chunk_hash  # type: ignore[attr-defined]
-            and self.layer_id == other.layer_id  # type: ignore[attr-defined]
-            and self.worker_id == other.worker_id  # type: ignore[attr-defined]
-            and self.world_size == other.world_size  # type: ignore[attr-defined]
-            and self.model_name == other.model_name  # type: ignore[attr-defined]
-            and self.dtype == other.dtype  # type: ignore[attr-defined]
-            and self.request_configs == other.request_configs  # type: ignore[attr-defined]
-        )
+        return self is other or (self.layer_id == other.layer_id and _same_chunk(self, other))  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash((self.chunk_hash, self.worker_id, self.layer_id))
@@ -152,6 +133,18 @@ class LayerCacheEngineKey(CacheEngineKey):
         return CacheEngineKey(
             self.model_name, self.world_size, self.worker_id, self.chunk_hash, self.dtype, self.request_configs
         )
+
+
+def _same_chunk(a: CacheEngineKey, b: CacheEngineKey) -> bool:
+    """Field equality of two keys, the 128-bit chunk hash first (it almost always decides)."""
+    return (
+        a.chunk_hash == b.chunk_hash
+        and a.worker_id == b.worker_id
+        and a.world_size == b.world_size
+        and a.model_name == b.model_name
+        and a.dtype == b.dtype
+        and a.request_configs == b.request_configs
+    )
 
 
 def parse_cache_key(text: str) -> CacheEngineKey:
