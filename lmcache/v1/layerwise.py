@@ -1,8 +1,8 @@
 """Layerwise store and retrieve: KV moves one layer per ``next()``, pipelined with the forward pass.
 
 Keys: chunk ``j`` of a request has one :class:`~lmcache.utils.LayerCacheEngineKey` per
-layer (``key.split_layers(num_layers)``); each holds a ``KV_T2D`` object
-``[tokens, num_kv, hidden]``.
+layer (``key.split_layers(num_layers)``); each holds a one-layer ``KV_2LTD`` object
+``[2, 1, tokens, hidden]`` (``KV_MLA_FMT`` ``[1, 1, tokens, hidden]`` for MLA).
 
 Store generator (:func:`store_layer`), exactly ``num_layers + 1`` ``next()`` calls, all
 returning None:
@@ -44,6 +44,7 @@ is closed (or garbage-collected) before its last call.
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -65,9 +66,19 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- keys and lookups
+@functools.lru_cache(maxsize=4096)
+def _split_cached(key: CacheEngineKey, num_layers: int) -> tuple[LayerCacheEngineKey, ...]:
+    return tuple(key.split_layers(num_layers))
+
+
 def layer_keys(keys: Sequence[CacheEngineKey], num_layers: int) -> list[list[LayerCacheEngineKey]]:
-    """Per layer, the layer keys of ``keys`` (``result[layer][chunk]``)."""
-    per_chunk = [k.split_layers(num_layers) for k in keys]
+    """Per layer, the layer keys of ``keys`` (``result[layer][chunk]``).
+
+    Recently split keys are reused (bounded cache): a retrieve then gets the very key
+    objects its store put into the tiers, which makes both the splitting and the tier
+    dict lookups (identity before equality) cheap on the time-to-first-layer path.
+    """
+    per_chunk = [_split_cached(k, num_layers) for k in keys]
     return [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)]
 
 

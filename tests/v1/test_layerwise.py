@@ -199,15 +199,16 @@ def test_round_trip_is_bit_exact_for_every_layout_and_dtype(layout, dtype, buffe
     drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
     assert engine.lookup(tokens) == n
 
-    # the stored objects are KV_T2D [T, num_kv, hidden] with each token's exact vectors
+    # the stored objects are one-layer [num_kv, 1, T, hidden] with each token's exact vectors
     keys = layer_keys(engine.keys(tokens), spec.num_layers)
     for layer in range(spec.num_layers):
         for j, key in enumerate(keys[layer]):
             obj = engine.storage_manager.get(key)
-            assert obj is not None and obj.fmt is MemoryFormat.KV_T2D
-            assert obj.shape == (min(CHUNK, n - j * CHUNK), 1 if spec.use_mla else 2, spec.hidden)
-            for t in range(obj.shape[0]):
-                assert torch.equal(bits(obj.tensor[t]), bits(token_kv(kv[layer], spec, slots[j * CHUNK + t])))
+            assert obj is not None
+            assert obj.fmt is (MemoryFormat.KV_MLA_FMT if spec.use_mla else MemoryFormat.KV_2LTD)
+            assert obj.shape == (1 if spec.use_mla else 2, 1, min(CHUNK, n - j * CHUNK), spec.hidden)
+            for t in range(obj.shape[2]):
+                assert torch.equal(bits(obj.tensor[:, 0, t]), bits(token_kv(kv[layer], spec, slots[j * CHUNK + t])))
             obj.ref_count_down()
 
     out = [torch.zeros_like(t) for t in kv]
@@ -516,8 +517,8 @@ def test_connector_protocol_and_argument_checks():
     conn = VLLMPagedMemLayerwiseGPUConnector(spec.hidden, 2, chunk_size=CHUNK, dtype=spec.dtype, device="cpu")
     kv = random_kv_caches(spec)
     slots = random_slot_mapping(spec, CHUNK)
-    assert conn.fmt is MemoryFormat.KV_T2D and conn.get_shape(5) == (5, 2, spec.hidden)
-    objs = [[MemoryObj.from_tensor(torch.zeros(CHUNK, 2, spec.hidden), MemoryFormat.KV_T2D)] for _ in range(2)]
+    assert conn.fmt is MemoryFormat.KV_2LTD and conn.get_shape(5) == (2, 1, 5, spec.hidden)
+    objs = [[MemoryObj.from_tensor(torch.zeros(2, 1, CHUNK, spec.hidden), MemoryFormat.KV_2LTD)] for _ in range(2)]
     with pytest.raises(ValueError, match="objs_per_layer"):
         conn.batched_from_gpu(objs[:1], [0], [CHUNK], kvcaches=kv, slot_mapping=slots)
     store = conn.batched_from_gpu(objs, [0], [CHUNK], kvcaches=kv, slot_mapping=slots, sync=False)
@@ -525,7 +526,7 @@ def test_connector_protocol_and_argument_checks():
     assert [h.layer for h in handles] == [0, 1] and all(isinstance(h, LayerCopy) and h.done() for h in handles)
     for layer in range(2):
         for t in range(CHUNK):
-            assert torch.equal(objs[layer][0].tensor[t], token_kv(kv[layer], spec, slots[t]))
+            assert torch.equal(objs[layer][0].tensor[:, 0, t], token_kv(kv[layer], spec, slots[t]))
 
     out = [torch.zeros_like(t) for t in kv]
     load = conn.batched_to_gpu([0], [CHUNK], kvcaches=out, slot_mapping=slots)
@@ -541,7 +542,7 @@ def test_connector_protocol_and_argument_checks():
         next(load)
     assert torch.equal(out[0], expected_paged(kv, spec, slots, torch.ones(CHUNK, dtype=torch.bool))[0])
     assert not out[1].any()
-    bad = MemoryObj.from_tensor(torch.zeros(CHUNK - 1, 2, spec.hidden), MemoryFormat.KV_T2D)
+    bad = MemoryObj.from_tensor(torch.zeros(2, 1, CHUNK - 1, spec.hidden), MemoryFormat.KV_2LTD)
     load = conn.batched_to_gpu([0], [CHUNK], kvcaches=out, slot_mapping=slots)
     next(load)
     with pytest.raises(ValueError, match="does not hold"):

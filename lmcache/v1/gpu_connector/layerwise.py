@@ -1,9 +1,12 @@
 """Layerwise connectors: one layer of a batch of chunks per ``next()``/``send()``.
 
 The layerwise pipeline (:mod:`lmcache.v1.layerwise`) moves KV between the paged cache
-and per-layer :class:`~lmcache.v1.memory_management.MemoryObj` s of format ``KV_T2D``
-(``[tokens, num_kv, hidden]``: K and V, or the single MLA latent, of one layer of one
-chunk) while the forward pass runs. Two variants share one protocol:
+and per-layer :class:`~lmcache.v1.memory_management.MemoryObj` s while the forward pass
+runs. A per-layer object is ``KV_2LTD`` with one layer, ``[2, 1, tokens, hidden]`` (K and
+V of one layer of one chunk; ``KV_MLA_FMT`` ``[1, 1, tokens, hidden]`` for MLA): each
+component's tokens are contiguous, the same order as the bulk format, so a layer copies
+as fast as the bulk path (a token-major ``KV_T2D`` object interleaves K and V rows and
+scatters about 1.5x slower into flash-attn pages). Two variants share one protocol:
 
 * :class:`VLLMPagedMemLayerwiseGPUConnector` copies straight between the paged layer
   and the objects;
@@ -98,21 +101,21 @@ class LayerwiseGPUConnector(PagedKVBase):
 
     @property
     def fmt(self) -> MemoryFormat:
-        return MemoryFormat.KV_T2D
+        return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_2LTD
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        """``[num_tokens, num_kv, hidden]``: one layer of one chunk (num_kv is 1 for MLA)."""
-        return torch.Size([num_tokens, self.num_kv, self.hidden_dim_size])
+        """``[num_kv, 1, num_tokens, hidden]``: one layer of one chunk (num_kv is 1 for MLA)."""
+        return torch.Size([self.num_kv, 1, num_tokens, self.hidden_dim_size])
 
     # ------------------------------------------------------------------ helpers
     def _kernel_view(self, obj: MemoryObj, start: int, end: int) -> torch.Tensor:
-        """The ``[num_kv, 1, T, hidden]`` view of a KV_T2D object that copy_ops expects."""
+        """The object's ``[num_kv, 1, T, hidden]`` tensor (what copy_ops expects), shape-checked."""
         t = obj.tensor
         if t is None:
             raise ValueError("MemoryObj used after it was freed")
         if tuple(t.shape) != tuple(self.get_shape(end - start)):
             raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold one layer of tokens [{start}, {end})")
-        return t.permute(1, 0, 2).unsqueeze(1)
+        return t
 
     def _stream_of(self, stream: torch.cuda.Stream | None, kv: torch.Tensor) -> torch.cuda.Stream | None:
         """The side stream to use for ``kv``, or None when copies are synchronous (CPU)."""
@@ -237,7 +240,7 @@ class LayerwiseGPUConnector(PagedKVBase):
 
 
 class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
-    """Layerwise copies straight between the paged layer and KV_T2D objects."""
+    """Layerwise copies straight between the paged layer and the per-layer objects."""
 
     def _gather_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
         if objs:
@@ -255,9 +258,10 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
 
     Store: paged layer -> buffer (device-local gather) -> one contiguous copy per object.
     Load: one contiguous copy per object -> buffer -> paged layer (device-local scatter).
-    The buffers are ``[tokens, num_kv, hidden]`` (KV_T2D order, so each object's slice is
-    contiguous), grow to the largest request seen and are reused; each is used only on
-    its own stream, so consecutive layers and requests are ordered on it.
+    The buffers are ``[num_kv, 1, tokens, hidden]`` like the objects (an object's slice is
+    one contiguous run per component), grow to the largest request seen and are reused;
+    each is used only on its own stream, so consecutive layers and requests are ordered
+    on it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -266,9 +270,9 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
 
     def _buffer(self, name: str, num_tokens: int, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
-        if buf is None or buf.shape[0] < num_tokens or buf.device != like.device or buf.dtype != like.dtype:
+        if buf is None or buf.shape[2] < num_tokens or buf.device != like.device or buf.dtype != like.dtype:
             size = max(num_tokens, self.chunk_size)
-            buf = torch.empty((size, self.num_kv, self.hidden_dim_size), dtype=like.dtype, device=like.device)
+            buf = torch.empty((self.num_kv, 1, size, self.hidden_dim_size), dtype=like.dtype, device=like.device)
             self._buffers[name] = buf
         return buf
 
@@ -283,10 +287,9 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
 
     def _staged_views(self, buf: torch.Tensor, starts, ends, offs) -> tuple[list[int], list[torch.Tensor]]:
         """Kernel starts and ``[num_kv, 1, T, hidden]`` buffer views covering the spans."""
-        kview = buf.permute(1, 0, 2).unsqueeze(1)
         if _contiguous_run(starts, ends):
-            return [starts[0]], [kview[:, :, : offs[-1]]]
-        return list(starts), [kview[:, :, offs[j] : offs[j + 1]] for j in range(len(starts))]
+            return [starts[0]], [buf[:, :, : offs[-1]]]
+        return list(starts), [buf[:, :, offs[j] : offs[j + 1]] for j in range(len(starts))]
 
     def _gather_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
         if not objs:
@@ -299,7 +302,7 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
         copy_ops.paged_gather([layer_kv], geom, slots, kstarts, views)
         non_blocking = layer_kv.device.type == "cuda"
         for j, obj in enumerate(objs):
-            obj.tensor.copy_(buf[offs[j] : offs[j + 1]], non_blocking=non_blocking)
+            obj.tensor.copy_(buf[:, :, offs[j] : offs[j + 1]], non_blocking=non_blocking)
 
     def _scatter_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
         if not objs:
@@ -310,7 +313,7 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
         buf = self._buffer("load", offs[-1], layer_kv)
         non_blocking = layer_kv.device.type == "cuda"
         for j, obj in enumerate(objs):
-            buf[offs[j] : offs[j + 1]].copy_(obj.tensor, non_blocking=non_blocking)
+            buf[:, :, offs[j] : offs[j + 1]].copy_(obj.tensor, non_blocking=non_blocking)
         kstarts, views = self._staged_views(buf, starts, ends, offs)
         copy_ops.paged_scatter([layer_kv], geom, slots, kstarts, views)
 
