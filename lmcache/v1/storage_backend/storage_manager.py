@@ -118,22 +118,31 @@ class StorageManager:
         return out
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+        """Future of :meth:`get`. Lower tiers are asked in order with their own
+        non-blocking read (a miss is the read's answer: no separate existence round
+        trip); a hit is promoted into L1."""
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
             return _done(obj)
-        for backend in self.lower:
-            if backend.contains(key):
-                fut = backend.get_non_blocking(key)
-                fut.add_done_callback(lambda f, k=key: self._promote(k, f))
-                return fut
-        return _done(None)
+        out: Future[MemoryObj | None] = Future()
+        self._read_from(key, 0, out)
+        return out
 
-    def _promote(self, key: CacheEngineKey, fut: Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
+    def _read_from(self, key: CacheEngineKey, tier: int, out: Future) -> None:
+        """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
+        if tier == len(self.lower):
+            out.set_result(None)
             return
-        obj = fut.result()
-        if obj is not None:
+
+        def _done_reading(fut: Future) -> None:
+            obj = None if fut.cancelled() or fut.exception() is not None else fut.result()
+            if obj is None:
+                self._read_from(key, tier + 1, out)
+                return
             self.local_cpu.submit_put(key, obj)
+            out.set_result(obj)
+
+        self.lower[tier].get_non_blocking(key).add_done_callback(_done_reading)
 
     def layerwise_batched_get(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> Iterator[Future]:
         """Yield one Future per layer; its result is the list of that layer's objects.
