@@ -202,15 +202,7 @@ class WorkerConnector:
         self._close_generators()
         for req in self._reqs:
             if req.load is not None and req.req_id not in self._failed:
-                self._fail(
-                    req,
-                    req.load.num_local,
-                    "load",
-                    "lmcache: load of %s failed (%s: %s); recomputing",
-                    req.req_id,
-                    type(exc).__name__,
-                    exc,
-                )
+                self._fail_load(req, exc)
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
@@ -234,15 +226,7 @@ class WorkerConnector:
             ret = self.engine.retrieve(tokens, mask, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
             self.engine.stats.add(load_errors=1)
-            self._fail(
-                req,
-                req.load.num_local,
-                "load",
-                "lmcache: load of %s failed (%s: %s); recomputing",
-                req.req_id,
-                type(exc).__name__,
-                exc,
-            )
+            self._fail_load(req, exc)
             return
         self._check_loaded(req, ret, count=True)
 
@@ -264,6 +248,19 @@ class WorkerConnector:
             req.req_id,
             first_bad - spec.num_local,
             spec.num_external,
+        )
+
+    def _fail_load(self, req: ReqMeta, exc: BaseException) -> None:
+        """A load raised: none of the request's external tokens can be trusted."""
+        assert req.load is not None
+        self._fail(
+            req,
+            req.load.num_local,
+            "load",
+            "lmcache: load of %s failed (%s: %s); recomputing",
+            req.req_id,
+            type(exc).__name__,
+            exc,
         )
 
     def _fail(self, req: ReqMeta, first_bad: int, kind: str, msg: str, *args: Any) -> None:
