@@ -106,11 +106,19 @@ class StorageManager:
         return None
 
     def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """Objects for a prefix of ``keys``; entries after the first miss are None."""
+        """Objects for a prefix of ``keys``; entries after the first miss are None.
+
+        The L1 prefix is read inline; the rest is read from the lower tiers in parallel
+        (their reader threads), not one blocking read after another.
+        """
         out: list[MemoryObj | None] = []
         for key in keys:
-            obj = self.get(key) if (not out or out[-1] is not None) else None
+            obj = self.local_cpu.get_blocking(key)
+            if obj is None:
+                break
             out.append(obj)
+        if len(out) < len(keys):
+            out += _gather_prefix([self.get_non_blocking(k) for k in keys[len(out) :]]).result()
         # touch from tail to head so the head stays most recent
         for key, obj in zip(reversed(keys), reversed(out)):
             if obj is not None:
