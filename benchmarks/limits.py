@@ -28,3 +28,26 @@ def memcpy_gbps(src: torch.Tensor, reps: int) -> float:
             np.copyto(dst[: part.size], part)
         best = min(best, time.perf_counter() - t0)
     return flat.size / best / GB
+
+
+def torch_copy_seconds(dst: torch.Tensor, src: torch.Tensor, reps: int) -> float:
+    """Best-of-``reps`` seconds of torch's own ``dst.copy_(src)`` (one warm-up first).
+
+    Between a CUDA tensor and pinned host memory this is one DMA transfer on the
+    current stream (``non_blocking=True``, then a synchronize), i.e. torch's pinned-memory
+    copy bandwidth: the limit for moving KV between the GPU and a pinned pool. On CPU
+    tensors it is a plain memcpy.
+    """
+    cuda = dst.is_cuda or src.is_cuda
+
+    def once() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once()
+    return min(once() for _ in range(max(1, reps)))

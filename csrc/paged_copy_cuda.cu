@@ -90,8 +90,12 @@ LMC_EXPORT int lmc_paged_copy_cuda(const LmcCopyArgs* args, int device, void* st
       a.total_tokens > 0x7fffffff || a.block_size <= 0 || a.num_heads <= 0 || a.head_size <= 0)
     return LMC_ERR_ARGS;
   if (a.num_chunks == 0 || a.total_tokens == 0) return LMC_OK;
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return fail("cudaSetDevice", err);
+  // The caller's current device is restored afterwards: torch and vLLM keep their own
+  // notion of it on this thread.
+  int previous = -1;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err != cudaSuccess) return fail("cudaGetDevice", err);
+  if (previous != device && (err = cudaSetDevice(device)) != cudaSuccess) return fail("cudaSetDevice", err);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (u) {
     case 1: err = launch<uint8_t>(a, s); break;
@@ -100,6 +104,7 @@ LMC_EXPORT int lmc_paged_copy_cuda(const LmcCopyArgs* args, int device, void* st
     case 8: err = launch<uint2>(a, s); break;
     default: err = launch<uint4>(a, s); break;
   }
+  if (previous != device) cudaSetDevice(previous);
   if (err != cudaSuccess) return fail("paged_copy_kernel launch", err);
   return LMC_OK;
 }

@@ -183,7 +183,16 @@ class _Slab:
     __slots__ = ("buf", "size", "free_offsets", "free_sizes")
 
     def __init__(self, size: int, pin_memory: bool) -> None:
-        raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+        raw = None
+        if pin_memory:
+            # torch's pinned allocator rounds every request up to a power of two and
+            # returns page-aligned blocks: ask for exactly ``size`` (a 1 GiB slab plus
+            # alignment slack would pin 2 GiB).
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            if raw.data_ptr() % ALIGN:
+                raw = None
+        if raw is None:
+            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
         skew = (-raw.data_ptr()) % ALIGN  # start on a page boundary (O_DIRECT-friendly)
         self.buf = raw[skew : skew + size]
         self.size = size

@@ -108,15 +108,17 @@ def make_engine(
     model_name: str = "test-model",
     layerwise: bool | None = None,
     buffered: bool = False,
+    device: str = "cpu",
 ) -> LMCacheEngine:
     """A standalone engine (not registered with the builder) for ``spec``.
 
     ``layerwise`` None follows ``config.use_layerwise``; True/False overrides it (on a
-    copy of ``config``) and pairs the engine with the matching connector.
+    copy of ``config``) and pairs the engine with the matching connector. ``device`` is
+    where the paged KV lives (the connector's device; ``"cuda"`` uses its side streams).
     """
     cfg = config or LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.25})
     if layerwise is not None and layerwise != cfg.use_layerwise:
         cfg = cfg.copy()
         cfg.use_layerwise = layerwise
-    connector = make_connector(spec, cfg.chunk_size, layerwise=cfg.use_layerwise, buffered=buffered)
+    connector = make_connector(spec, cfg.chunk_size, device, layerwise=cfg.use_layerwise, buffered=buffered)
     return LMCacheEngine(cfg, make_metadata(spec, cfg.chunk_size, model_name), connector)

@@ -386,6 +386,7 @@ def cuda_kernels(lib_path, tmp_path_factory) -> native.NativeKernels:
     return k
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("pinned_host", [False, True], ids=["device-mem", "pinned-host-mem"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUT_NAMES)

@@ -182,6 +182,8 @@ class LayerwiseGPUConnector(PagedKVBase):
 
     def _from_gpu_steps(self, kvcaches, slots, geom, objs_per_layer, starts, ends, sync) -> StoreGenerator:
         stream = self._stream_of(self.store_stream, kvcaches[0])
+        if stream is not None and slots.is_cuda:
+            slots.record_stream(stream)  # read by copies still queued when the generator ends
         for layer in range(self.num_layers):
             if stream is not None and sync:
                 stream.wait_stream(torch.cuda.current_stream(kvcaches[layer].device))
@@ -217,6 +219,8 @@ class LayerwiseGPUConnector(PagedKVBase):
         if stream is not None:
             # Blocks being filled may have been read by work still queued on the current stream.
             stream.wait_stream(torch.cuda.current_stream(device))
+            if slots.is_cuda:
+                slots.record_stream(stream)  # read by copies still queued when the generator ends
         previous: LayerCopy | None = None
         objs = yield None
         for layer in range(self.num_layers):

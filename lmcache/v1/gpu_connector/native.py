@@ -254,7 +254,12 @@ class NativeKernels:
         for n in counts:
             prefix.append(prefix[-1] + n)
         parts = [comps, layer_ptrs, chunk_info, mem_ptrs, prefix]
-        meta = torch.tensor([v for p in parts for v in p], dtype=torch.int64).to(first.device)
+        # Staged through pinned memory and copied on the current stream without blocking:
+        # a pageable source would make torch synchronise the stream (a CPU stall that
+        # serialises the layerwise pipeline). torch's host allocator keeps the pinned
+        # staging block alive until the copy has run.
+        staged = torch.tensor([v for p in parts for v in p], dtype=torch.int64, pin_memory=True)
+        meta = staged.to(first.device, non_blocking=True)
         base, offset = meta.data_ptr(), 0
         for name, part in zip(("comps", "layer_ptrs", "chunk_info", "mem_ptrs", "chunk_prefix"), parts):
             setattr(args, name, base + 8 * offset)
