@@ -56,7 +56,7 @@ log() { echo "[gpu_check $(($(date +%s) - START))s] $*"; }
 remaining() { echo $((BUDGET - ($(date +%s) - START))); }
 record() {  # name status seconds detail
   STEPS+=("$1|$2|$3|$4")
-  [[ $2 == OK || $2 == SKIP ]] || FAILED=1
+  [[ $2 == OK || $2 == SKIP || $2 == WARN ]] || FAILED=1
   log "$1: $2 ($3 s) $4"
 }
 # run_step NAME DEFAULT_TIMEOUT LOGFILE CMD...: runs CMD under `timeout`, output to LOGFILE;
@@ -178,6 +178,24 @@ cuda_archs() {
   echo "$cap"
 }
 
+# direct_build cpu|cuda DEST ARCHS: the compiler command of setup.py, full output in setup.log
+direct_build() {
+  local lib=$1 dest=$2 archs=$3 cmd
+  (( $(remaining) > 30 )) || return 1
+  mkdir -p "$dest"
+  if [[ $lib == cpu ]]; then
+    cmd=("${CXX:-c++}" -O3 -std=c++17 -shared -fPIC -fvisibility=hidden -pthread -Wall csrc/paged_copy.cpp
+         -o "$dest/_c_ops_cpu.so")
+  else
+    command -v nvcc >/dev/null 2>&1 || return 1
+    cmd=(nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden
+         "-gencode=arch=compute_${archs},code=sm_${archs}" "-gencode=arch=compute_${archs},code=compute_${archs}"
+         csrc/paged_copy_cuda.cu -o "$dest/_c_ops_cuda.so")
+  fi
+  echo "== direct build: ${cmd[*]}" >>"$SETUP_LOG"
+  timeout 180 "${cmd[@]}" >>"$SETUP_LOG" 2>&1
+}
+
 step_build() {
   local t0; t0=$(date +%s)
   local want_cuda=0 archs="" dest status=OK detail=""
@@ -196,32 +214,26 @@ step_build() {
   echo "== build: archs=${archs:-none} dest=$dest" >>"$SETUP_LOG"
   run_step build 240 "$SETUP_LOG" env LMCACHE_BUILD_CUDA=$want_cuda LMCACHE_CUDA_ARCHS="$archs" \
     "$PYTHON" "${args[@]}"
-  local secs=$STEP_SECS rc=$STEP_RC
-  (( rc == 0 )) || { status=$(rc_status "$rc"); detail+="setup.py exit $rc; "; }
-  if [[ -f $dest/_c_ops_cpu.so ]]; then detail+="_c_ops_cpu.so built; "; else status=FAIL; detail+="_c_ops_cpu.so NOT built; "; fi
-  if (( want_cuda )); then
-    if [[ -f $dest/_c_ops_cuda.so ]]; then
-      detail+="_c_ops_cuda.so built for sm_$archs"
+  local rc=$STEP_RC
+  (( rc == 0 )) || detail+="setup.py: $(rc_status "$rc") (exit $rc, see setup.log); "
+  local libs=(cpu) lib
+  (( want_cuda )) && libs+=(cuda)
+  for lib in "${libs[@]}"; do
+    if [[ -f $dest/_c_ops_$lib.so ]]; then
+      detail+="_c_ops_$lib.so built"
+      [[ $lib == cuda ]] && detail+=" for sm_$archs"
+      detail+="; "
+    elif direct_build "$lib" "$dest" "$archs"; then
+      [[ $status == OK ]] && status=WARN
+      detail+="_c_ops_$lib.so NOT built by setup.py, built directly instead; "
     else
       status=FAIL
-      detail+="_c_ops_cuda.so NOT built by setup.py"
-      if command -v nvcc >/dev/null 2>&1 && (( $(remaining) > 60 )); then
-        # same flags as setup.py, full compiler output in setup.log
-        echo "== direct nvcc build (setup.py produced no CUDA library)" >>"$SETUP_LOG"
-        if timeout 180 nvcc -O3 -std=c++17 -shared -Xcompiler -fPIC,-fvisibility=hidden \
-            "-gencode=arch=compute_${archs},code=sm_${archs}" "-gencode=arch=compute_${archs},code=compute_${archs}" \
-            csrc/paged_copy_cuda.cu -o "$dest/_c_ops_cuda.so" >>"$SETUP_LOG" 2>&1; then
-          detail+=" (built directly with nvcc instead)"
-        else
-          detail+=" (direct nvcc build failed too: see setup.log)"
-        fi
-      fi
+      detail+="_c_ops_$lib.so NOT built (setup.py and the direct build failed: see setup.log); "
     fi
-    if [[ -f $dest/_c_ops_cuda.so ]] && command -v cuobjdump >/dev/null 2>&1; then
-      { echo "== cuobjdump --list-elf"; cuobjdump --list-elf "$dest/_c_ops_cuda.so"; } >>"$SETUP_LOG" 2>&1
-    fi
-  else
-    detail+="no nvcc: CUDA library not built (dry run)"
+  done
+  (( want_cuda )) || detail+="no nvcc: CUDA library not built (dry run); "
+  if [[ -f $dest/_c_ops_cuda.so ]] && command -v cuobjdump >/dev/null 2>&1; then
+    { echo "== cuobjdump --list-elf"; cuobjdump --list-elf "$dest/_c_ops_cuda.so"; } >>"$SETUP_LOG" 2>&1
   fi
   # the libraries must load and report the expected ABI
   local abi
