@@ -191,10 +191,15 @@ def section_pool(rep: Report, args: argparse.Namespace) -> None:
     stats = getattr(torch.cuda, "host_memory_stats", None) if args.device == "cuda" else None
 
     def pinned_bytes() -> int | None:
+        """Bytes torch's pinned host allocator holds (key names differ between versions)."""
         try:
-            return int(stats()["allocated_bytes.current"]) if stats else None
-        except (KeyError, RuntimeError, TypeError):
+            found = stats() if stats else {}
+        except (RuntimeError, TypeError, AttributeError):
             return None
+        for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current"):
+            if key in found:
+                return int(found[key])
+        return None
 
     before = pinned_bytes()
     t0 = time.perf_counter()
