@@ -338,7 +338,7 @@ step_suite() {
   local rc=$STEP_RC secs=$STEP_SECS status
   read -r n f e s <<<"$(junit_counts "$xml")"
   status=$(rc_status "$rc")
-  record suite "$status" "$secs" "${files[*]##*/}: $((n - f - e - s)) passed, $f failed, $e errors, $s skipped"
+  record suite "$status" "$secs" "${#files[@]} modules: $((n - f - e - s)) passed, $f failed, $e errors, $s skipped"
 }
 
 # ------------------------------------------------------------------------------------ main
@@ -356,8 +356,8 @@ TOTAL=$(($(date +%s) - START))
     sed -n '/^section  *measurement/,$p' "$OUT/bench_gpu.log"
   fi
   if [[ -f $OUT/cuda_tests.log ]] && grep -qE '^(FAILED|ERROR) ' "$OUT/cuda_tests.log"; then
-    echo "---- failing CUDA tests (first 30)"
-    grep -E '^(FAILED|ERROR) ' "$OUT/cuda_tests.log" | head -30
+    echo "---- failing CUDA tests (first 20; all in cuda_tests.log)"
+    grep -E '^(FAILED|ERROR) ' "$OUT/cuda_tests.log" | cut -c1-200 | head -20
   fi
   echo "---- gpu_check summary (mode $MODE, ${TOTAL}s of ${BUDGET}s budget)"
   printf '%-11s %-8s %6s  %s\n' step status seconds detail
