@@ -117,12 +117,12 @@ class Report:
         }
 
     def print_table(self) -> None:
-        print(f"\n{'section':<8} {'measurement':<58} {'value':>10} {'unit':<6} {'target':<12} status")
+        print(f"\n{'section':<8} {'measurement':<62} {'value':>10} {'unit':<6} {'target':<12} status")
         for r in self.rows:
             status = {True: "MET", False: "MISSED", None: ""}[r.met]
             if r.met is None and r.target:
                 status = "n/a (dry run)" if (self.small or self.device != "cuda") else ""
-            print(f"{r.section:<8} {r.name:<58} {r.value:>10.4g} {r.unit:<6} {r.target:<12} {status}")
+            print(f"{r.section:<8} {r.name:<62} {r.value:>10.4g} {r.unit:<6} {r.target:<12} {status}")
         bad = [c for c in self.checks if not c.ok]
         print(f"checks: {len(self.checks) - len(bad)}/{len(self.checks)} passed"
               + "".join(f"\n  FAILED {c.name}: {c.detail}" for c in bad))
