@@ -164,7 +164,7 @@ class LMCacheEngineConfig:
     use_layerwise: bool = False
     cache_policy: str = "LRU"
     enable_hidden_state_cache: bool = False
-    max_hidden_state_cpu_size: float = 1.0
+    max_hidden_state_cpu_size: float = 2.0
     hidden_state_layers: list[int] | None = None
     extra_config: dict[str, Any] | None = field(default=None)
 

@@ -17,7 +17,9 @@ Storage model
   ``storage_manager.contains(key)`` for every chunk it is about to return (with
   ``use_layerwise``, for each of the chunk's per-layer KV keys). A chunk whose KV is
   gone is an orphan: its hidden states (all layers) are dropped and the returned prefix
-  ends before it.
+  ends before it. A store built without a storage manager (``storage_manager=None``,
+  bound later with :meth:`HiddenStateStore.bind_storage_manager`) cannot tell, and
+  treats KV as present.
 
 Chunk visibility
 ----------------
@@ -109,7 +111,8 @@ class HiddenStateStore:
     Built by :class:`~lmcache.v1.cache_engine.LMCacheEngine` when
     ``enable_hidden_state_cache`` is true and exposed as ``engine.hidden_state_store``.
     ``token_database`` must be the engine's (same keys as the KV); ``storage_manager``
-    is the KV storage manager, only asked ``contains(key)``.
+    is the KV storage manager, only asked ``contains(key)``; it may be given later
+    with :meth:`bind_storage_manager` (until then KV counts as present).
 
     Thread-safe; see the module docstring for blocking behaviour and memory ownership.
     """
@@ -118,7 +121,7 @@ class HiddenStateStore:
         self,
         config: LMCacheEngineConfig,
         token_database: ChunkedTokenDatabase,
-        storage_manager: StorageManager,
+        storage_manager: StorageManager | None = None,
     ) -> None:
         if config.max_hidden_state_cpu_size <= 0:
             raise ValueError(
@@ -141,6 +144,10 @@ class HiddenStateStore:
         self._closed = False
         self._warned_full = False
         self._warned_dim = False
+
+    def bind_storage_manager(self, storage_manager: StorageManager | None) -> None:
+        """Use ``storage_manager`` for the coupled-eviction check (None: KV counts as present)."""
+        self.storage_manager = storage_manager
 
     # ------------------------------------------------------------------ public API
     def store_hidden_states(
@@ -165,16 +172,23 @@ class HiddenStateStore:
         ``token_offset`` falls inside is completed from the rows an earlier store left
         for ``token_ids[:token_offset]``; if those are not cached the chunk is skipped
         (counted in ``stats.incomplete_chunks``). A full pool after eviction skips the
-        rest of the call (``stats.skipped_chunks``); that is not an error.
+        rest of the call (``stats.skipped_chunks``); that is not an error. A
+        ``layer_idx`` outside ``hidden_state_layers`` stores nothing and returns 0 (the
+        allowlist filters; callers may store every hook index).
 
         Blocks until the rows are copied; the caller keeps ownership of
-        ``hidden_states``. Returns the number of tokens in chunks that became
-        retrievable by this call. Raises ValueError/TypeError on bad input (including a
-        ``layer_idx`` outside ``hidden_state_layers``).
+        ``hidden_states``. Returns the number of chunks that became retrievable by
+        this call (as LMCache does; ``stats.stored_tokens`` counts their tokens): full
+        chunks, and the trailing partial chunk when ``save_unfull_chunk`` is true.
+        Raises ValueError/TypeError on bad input.
         """
         tokens = tokens_to_array(token_ids)
         n = int(tokens.shape[0])
         rows = self._check_store_args(n, hidden_states, layer_idx, token_offset)
+        if self.allowed_layers is not None and layer_idx not in self.allowed_layers:
+            logger.debug("hidden states: layer_idx=%d not in hidden_state_layers=%s; not stored",
+                         layer_idx, self._allowed_text)
+            return 0
         if rows.shape[0] == 0 or self._closed:
             return 0
         extras = _key_extras(cache_salt, request_configs, extra_keys)
@@ -290,6 +304,25 @@ class HiddenStateStore:
     def used_bytes(self) -> int:
         return self.allocator.used_bytes
 
+    def num_cached_chunks(self) -> int:
+        """Number of distinct chunk keys with hidden states for some layer (a trailing
+        partial chunk kept as a continuation buffer counts too)."""
+        with self._lock:
+            return len(self._layers_of)
+
+    def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
+        """Whether hidden states of ``layer_idx`` are cached under chunk ``key`` (KV not checked)."""
+        with self._lock:
+            return HSKey(key, layer_idx) in self._entries
+
+    def drop_key(self, key: CacheEngineKey) -> bool:
+        """Drop the hidden states of every layer of chunk ``key``; True if there were any."""
+        with self._lock:
+            layers = list(self._layers_of.get(key, ()))
+            for layer in layers:
+                self._drop_locked(HSKey(key, layer))
+        return bool(layers)
+
     def close(self) -> None:
         """Drop every entry and release the pool. Idempotent; later calls are misses."""
         with self._lock:
@@ -305,12 +338,6 @@ class HiddenStateStore:
         self, n: int, hidden_states: object, layer_idx: object, token_offset: object
     ) -> torch.Tensor:
         _check_layer_type(layer_idx)
-        assert isinstance(layer_idx, int)
-        if self.allowed_layers is not None and layer_idx not in self.allowed_layers:
-            raise ValueError(
-                f"layer_idx={layer_idx}: not in hidden_state_layers={self._allowed_text}; "
-                "add it to the allowlist or leave hidden_state_layers unset to accept every layer"
-            )
         if isinstance(token_offset, bool) or not isinstance(token_offset, int):
             raise TypeError(f"token_offset={token_offset!r}: expected an int")
         if not 0 <= token_offset <= n:
@@ -371,10 +398,15 @@ class HiddenStateStore:
         return obj
 
     def _kv_present(self, chunk: CacheEngineKey) -> bool:
-        """Whether the KV of ``chunk`` is in some tier; on a layerwise engine, every layer's."""
+        """Whether the KV of ``chunk`` is in some tier; on a layerwise engine, every layer's.
+
+        Without a storage manager the answer is unknown and counts as present."""
+        manager = self.storage_manager
+        if manager is None:
+            return True
         if self._kv_layers is None:
-            return self.storage_manager.contains(chunk)
-        return all(self.storage_manager.contains(k) for k in chunk.split_layers(self._kv_layers))
+            return manager.contains(chunk)
+        return all(manager.contains(k) for k in chunk.split_layers(self._kv_layers))
 
     def _touch(self, key: HSKey) -> bool:
         with self._lock:
@@ -421,9 +453,12 @@ class HiddenStateStore:
         return obj
 
     def _publish(self, built: list[tuple[HSKey, MemoryObj]], consumed: HSKey | None) -> int:
-        """Insert new entries tail first (head most recent); drop a consumed private buffer."""
+        """Insert new entries tail first (head most recent); drop a consumed private buffer.
+
+        Returns the number of chunks that became retrievable."""
         chunk_size = self.token_database.chunk_size
         visible = 0
+        chunks = 0
         with self._lock:
             if self._closed:
                 return 0
@@ -437,10 +472,11 @@ class HiddenStateStore:
                 self._policy.on_insert(key)
                 if obj.shape[0] == chunk_size or self.save_unfull_chunk:
                     visible += obj.shape[0]
+                    chunks += 1
             if consumed is not None and not self.save_unfull_chunk and consumed in self._entries:
                 self._drop_locked(consumed)
         self.stats.add(stored_tokens=visible)
-        return visible
+        return chunks
 
     def _drop_orphan(self, chunk: CacheEngineKey) -> None:
         with self._lock:

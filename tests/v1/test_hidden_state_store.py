@@ -86,7 +86,7 @@ def test_disabled_store_is_none() -> None:
 def test_config_defaults() -> None:
     cfg = LMCacheEngineConfig()
     assert cfg.enable_hidden_state_cache is False
-    assert cfg.max_hidden_state_cpu_size == 1.0
+    assert cfg.max_hidden_state_cpu_size == 2.0  # GiB, LMCache 0.5.6's default
     assert cfg.hidden_state_layers is None
 
 
@@ -169,7 +169,7 @@ def test_round_trip_returns_cpu_float32_contiguous_copy(engine) -> None:
     hs, kv = store(engine), KVSource()
     tokens, rows = tokens_of(1, 48), hs_of(1, 48)
     kv.store(engine, tokens)
-    assert hs.store_hidden_states(tokens, rows) == 48
+    assert hs.store_hidden_states(tokens, rows) == 3  # chunks stored
     out = hs.retrieve_hidden_states(tokens)
     assert out is not None
     assert out.device.type == "cpu" and out.dtype == torch.float32 and out.is_contiguous()
@@ -202,7 +202,7 @@ def test_trailing_partial_chunk_hidden_without_save_unfull_chunk(engine) -> None
     hs, kv = store(engine), KVSource()
     tokens, rows = tokens_of(4, 40), hs_of(4, 40)
     kv.store(engine, tokens)
-    assert hs.store_hidden_states(tokens, rows) == 32  # the 8 trailing rows are kept privately
+    assert hs.store_hidden_states(tokens, rows) == 2  # the 8 trailing rows are kept privately
     assert torch.equal(hs.retrieve_hidden_states(tokens), rows[:32])
     assert engine.lookup(tokens) == 32
 
@@ -213,7 +213,7 @@ def test_trailing_partial_chunk_visible_with_save_unfull_chunk() -> None:
         hs, kv = store(engine), KVSource()
         tokens, rows = tokens_of(5, 40), hs_of(5, 40)
         assert kv.store(engine, tokens) == 40
-        assert hs.store_hidden_states(tokens, rows) == 40
+        assert hs.store_hidden_states(tokens, rows) == 3  # two full chunks and the 8-token one
         out = hs.retrieve_hidden_states(tokens)
         assert torch.equal(out, rows)
         assert out.shape[0] == engine.lookup(tokens) == 40
@@ -316,10 +316,9 @@ def test_layer_allowlist() -> None:
         hs, kv = store(engine), KVSource()
         tokens = tokens_of(14, 32)
         kv.store(engine, tokens)
-        with pytest.raises(ValueError, match=r"layer_idx=2.*hidden_state_layers=\[0, 3\]"):
-            hs.store_hidden_states(tokens, hs_of(14, 32), layer_idx=2)
+        assert hs.store_hidden_states(tokens, hs_of(14, 32), layer_idx=2) == 0  # filtered, not an error
         assert len(hs) == 0
-        hs.store_hidden_states(tokens, hs_of(14, 32, layer=3), layer_idx=3)
+        assert hs.store_hidden_states(tokens, hs_of(14, 32, layer=3), layer_idx=3) == 2
         assert torch.equal(hs.retrieve_hidden_states(tokens, layer_idx=3), hs_of(14, 32, layer=3))
         assert hs.retrieve_hidden_states(tokens, layer_idx=2) is None  # never stored: a miss, not an error
     finally:
@@ -605,7 +604,7 @@ def test_chunk_larger_than_pool_is_skipped_not_raised() -> None:
         assert hs.store_hidden_states(tokens, hs_of(33, 32, dim=4096)) == 0
         assert hs.stats.snapshot()["skipped_chunks"] == 1
         assert hs.retrieve_hidden_states(tokens) is None
-        assert hs.store_hidden_states(tokens, hs_of(33, 32, dim=16)) == 16  # one 1 KiB-chunk page fits
+        assert hs.store_hidden_states(tokens, hs_of(33, 32, dim=16)) == 1  # one 1 KiB-chunk page fits
     finally:
         engine.close()
 
@@ -626,7 +625,7 @@ def test_entry_being_read_is_not_evicted() -> None:
             held.ref_count_down()
         assert torch.equal(hs.retrieve_hidden_states(a), hs_of(34, 16))  # A was not dropped
         assert hs.stats.snapshot()["evictions"] == 0
-        assert hs.store_hidden_states(b, hs_of(35, 16)) == 16
+        assert hs.store_hidden_states(b, hs_of(35, 16)) == 1
         assert hs.retrieve_hidden_states(a) is None
     finally:
         engine.close()
