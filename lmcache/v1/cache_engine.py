@@ -8,10 +8,11 @@ Lookup:   chunk keys -> ``batched_contains`` (prefix), no data moved.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -234,6 +235,7 @@ class LMCacheEngineBuilder:
     """Process-wide registry of engines by instance id (one per model shard)."""
 
     _engines: dict[str, LMCacheEngine] = {}
+    _configs: dict[str, LMCacheEngineConfig] = {}
     _lock = threading.Lock()
 
     @classmethod
@@ -243,19 +245,34 @@ class LMCacheEngineBuilder:
         config: LMCacheEngineConfig,
         metadata: LMCacheEngineMetadata,
         gpu_connector: GPUConnectorInterface | None,
+        broadcast_fn: Callable[..., Any] | None = None,
+        broadcast_object_fn: Callable[..., Any] | None = None,
     ) -> LMCacheEngine:
-        """The engine registered as ``instance_id``, created on first use."""
+        """The engine registered as ``instance_id``, created on first use.
+
+        LMCache 0.5.6's signature. ``broadcast_fn``/``broadcast_object_fn`` are
+        accepted and unused (this engine never broadcasts between ranks). An existing
+        id asked for with a different config or metadata raises ValueError naming the
+        fields that differ; a copy of the config is kept, so mutating the caller's
+        object later cannot hide a change. A connector given for an engine that was
+        built without one is attached to it.
+        """
         with cls._lock:
             engine = cls._engines.get(instance_id)
             if engine is None:
                 engine = LMCacheEngine(config, metadata, gpu_connector)
                 cls._engines[instance_id] = engine
-            elif engine.metadata != metadata:
+                cls._configs[instance_id] = config.copy()
+                return engine
+            cfg_diffs = [f"config.{name}" for name in _differing_fields(cls._configs[instance_id], config)]
+            md_diffs = [f"metadata.{name}" for name in _differing_fields(engine.metadata, metadata)]
+            if cfg_diffs or md_diffs:
+                what = " and ".join(w for w, d in (("configuration", cfg_diffs), ("metadata", md_diffs)) if d)
                 raise ValueError(
-                    f"instance_id={instance_id!r}: already registered with different metadata "
-                    f"({engine.metadata} != {metadata})"
+                    f"instance_id={instance_id!r}: already registered with different {what} "
+                    f"(differs: {', '.join(cfg_diffs + md_diffs)}); destroy() it first or use another instance id"
                 )
-            elif engine.gpu_connector is None and gpu_connector is not None:
+            if engine.gpu_connector is None and gpu_connector is not None:
                 engine.gpu_connector = gpu_connector
             return engine
 
@@ -269,5 +286,13 @@ class LMCacheEngineBuilder:
         """Close and forget the engine; unknown ids are ignored."""
         with cls._lock:
             engine = cls._engines.pop(instance_id, None)
+            cls._configs.pop(instance_id, None)
         if engine is not None:
             engine.close()
+
+
+def _differing_fields(old: Any, new: Any) -> list[str]:
+    """Names of the dataclass fields whose values differ (``type`` if the classes do)."""
+    if type(old) is not type(new):
+        return [f"type ({type(old).__name__} != {type(new).__name__})"]
+    return [f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)]

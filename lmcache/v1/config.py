@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"
 EC_ENV_PREFIX = "LMCACHE_EC_"
-CACHE_POLICIES = ("LRU", "FIFO", "LFU")
+CACHE_POLICIES = ("LRU", "FIFO", "LFU", "MRU")
 # LMCACHE_* variables that are not config keys (read elsewhere); never warned about.
 _RESERVED_ENV = {"CONFIG_FILE", "USE_NATIVE", "LOG_LEVEL"}
 

@@ -136,6 +136,44 @@ class MemoryObj:
     def num_tokens(self) -> int:
         return self.meta.shape[self.meta.fmt.token_dim()]
 
+    # LMCache 0.5.6 accessor names (same values as the properties above)
+    @property
+    def metadata(self) -> MemoryObjMetadata:
+        return self.meta
+
+    def get_shape(self) -> torch.Size:
+        return torch.Size(self.meta.shape)
+
+    def get_dtype(self) -> torch.dtype:
+        return self.meta.dtype
+
+    def get_memory_format(self) -> MemoryFormat:
+        return self.meta.fmt
+
+    def get_num_tokens(self) -> int:
+        return self.num_tokens()
+
+    def get_physical_size(self) -> int:
+        """Bytes the object occupies in its pool (payload rounded up to a page)."""
+        return self._size if self._allocator is not None else self.meta.nbytes
+
+    def get_ref_count(self) -> int:
+        return self._ref
+
+    def is_valid(self) -> bool:
+        """False once the last reference was dropped (the memory went back to the pool)."""
+        return self._tensor is not None
+
+    @property
+    def raw_tensor(self) -> torch.Tensor | None:
+        """The object's whole pool region as uint8 (None after it was freed)."""
+        return self._raw if self._tensor is not None else None
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the payload's first byte."""
+        return self._raw.data_ptr()
+
     # ------------------------------------------------------------------ counts
     @property
     def ref_count(self) -> int:
@@ -145,8 +183,15 @@ class MemoryObj:
     def pin_count(self) -> int:
         return self._pin
 
+    @property
     def is_pinned(self) -> bool:
+        """Whether a pin keeps the object from eviction (a property, as in LMCache)."""
         return self._pin > 0
+
+    @property
+    def can_evict(self) -> bool:
+        """Whether a tier holding the only reference may evict it (not pinned, no other holder)."""
+        return self._pin == 0 and self._ref <= 1
 
     def ref_count_up(self) -> None:
         with self._lock:
@@ -164,14 +209,19 @@ class MemoryObj:
         if self._allocator is not None:
             self._allocator._release(self._slab, self._offset, self._size)
 
-    def pin(self) -> None:
+    def pin(self) -> bool:
+        """Add one pin; returns True (LMCache's signature)."""
         with self._lock:
             self._pin += 1
+        return True
 
-    def unpin(self) -> None:
+    def unpin(self) -> bool:
+        """Drop one pin; True if there was one."""
         with self._lock:
             if self._pin > 0:
                 self._pin -= 1
+                return True
+        return False
 
     def __repr__(self) -> str:
         return f"MemoryObj(shape={self.meta.shape}, dtype={self.meta.dtype}, fmt={self.meta.fmt.name}, ref={self._ref}, pin={self._pin})"

@@ -64,3 +64,88 @@ class LMCacheEngineMetadata:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (stable text used in keys and file headers)."""
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class LMCacheMetadata(LMCacheEngineMetadata):
+    """LMCache 0.5.6's metadata class, with its constructor (field order and defaults).
+
+    ``LMCacheMetadata(model_name, world_size, local_world_size, worker_id,
+    local_worker_id, kv_dtype, kv_shape, use_mla=False, role=None,
+    served_model_name=None, chunk_size=256, kv_layer_groups_manager=None,
+    engine_id=None, kv_connector_extra_config=None, fmt="vllm")``. It is an
+    :class:`LMCacheEngineMetadata` (``fmt`` defaults to ``"vllm"``), so the engine takes
+    it as is; the LMCache-only fields are kept for callers and never change keys.
+    """
+
+    local_world_size: int
+    local_worker_id: int
+    role: str | None
+    served_model_name: str | None
+    chunk_size: int
+    kv_layer_groups_manager: object | None
+    engine_id: str | None
+    kv_connector_extra_config: dict | None
+
+    first_rank = 0  # LMCache's class attribute
+
+    def __init__(
+        self,
+        model_name: str,
+        world_size: int,
+        local_world_size: int,
+        worker_id: int,
+        local_worker_id: int,
+        kv_dtype: torch.dtype,
+        kv_shape: tuple[int, int, int, int, int],
+        use_mla: bool = False,
+        role: str | None = None,
+        served_model_name: str | None = None,
+        chunk_size: int = 256,
+        kv_layer_groups_manager: object | None = None,
+        engine_id: str | None = None,
+        kv_connector_extra_config: dict | None = None,
+        fmt: str = "vllm",
+    ) -> None:
+        values = {
+            "model_name": model_name,
+            "world_size": world_size,
+            "worker_id": worker_id,
+            "fmt": fmt,
+            "kv_dtype": kv_dtype,
+            "kv_shape": tuple(kv_shape),
+            "use_mla": use_mla,
+            "local_world_size": local_world_size,
+            "local_worker_id": local_worker_id,
+            "role": role,
+            "served_model_name": served_model_name,
+            "chunk_size": chunk_size,
+            "kv_layer_groups_manager": kv_layer_groups_manager,
+            "engine_id": engine_id,
+            "kv_connector_extra_config": kv_connector_extra_config,
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+        if not 0 <= self.local_worker_id < max(self.local_world_size, 1) or self.local_world_size <= 0:
+            raise ValueError(
+                f"local_worker_id={self.local_worker_id!r}, local_world_size={self.local_world_size!r}: "
+                "expected 0 <= local_worker_id < local_world_size"
+            )
+
+    def __hash__(self) -> int:  # the dict / manager fields are not hashable
+        return hash((self.model_name, self.world_size, self.worker_id, self.kv_dtype, self.kv_shape))
+
+    def is_first_rank(self) -> bool:
+        return self.worker_id == self.first_rank
+
+    def get_dtypes(self) -> list[torch.dtype]:
+        return [self.kv_dtype]
+
+    def get_shapes(self, num_tokens: int | None = None) -> list[torch.Size]:
+        """``[num_kv, num_layers, num_tokens, hidden_dim]`` (one KV group)."""
+        tokens = self.chunk_size if num_tokens is None else num_tokens
+        return [torch.Size([self.num_kv, self.num_layers, tokens, self.hidden_dim])]
+
+    def get_num_groups(self) -> int:
+        return 1

@@ -54,7 +54,7 @@ def test_env_list_forms(monkeypatch):
         ({"chunk_size": True}, "chunk_size=True"),
         ({"local_cpu": "maybe"}, "local_cpu='maybe': expected a boolean"),
         ({"max_local_cpu_size": -1}, "max_local_cpu_size=-1.0"),
-        ({"cache_policy": "MRU"}, "cache_policy='MRU': expected one of LRU, FIFO, LFU"),
+        ({"cache_policy": "ARC"}, "cache_policy='ARC': expected one of LRU, FIFO, LFU, MRU"),
         ({"local_disk": "/tmp/x"}, "max_local_disk_size=0.0: expected a size in GiB > 0 when local_disk is set"),
         ({"remote_url": "localhost:6379"}, "remote_url='localhost:6379': expected a URL"),
         ({"enable_hidden_state_cache": True, "max_hidden_state_cpu_size": 0}, "max_hidden_state_cpu_size=0.0"),

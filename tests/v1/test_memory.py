@@ -40,7 +40,7 @@ def test_ref_and_pin_counts_and_reuse():
     ptr = obj.tensor.data_ptr()
     obj.ref_count_up()
     obj.pin()
-    assert obj.is_pinned()
+    assert obj.is_pinned
     obj.unpin()
     obj.ref_count_down()
     assert alloc.used_bytes == ALIGN

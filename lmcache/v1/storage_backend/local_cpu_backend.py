@@ -56,7 +56,7 @@ class LocalCPUBackend(StorageBackend):
         with self._lock:
             for key in self.policy.victims():
                 victim = self._objs.get(key)
-                if victim is None or victim.is_pinned() or victim.ref_count > 1:
+                if victim is None or victim.is_pinned or victim.ref_count > 1:
                     continue
                 self._drop_locked(key)
                 evicted += 1

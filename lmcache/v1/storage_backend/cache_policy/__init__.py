@@ -16,16 +16,17 @@ from lmcache.v1.storage_backend.cache_policy.base import EvictionPolicy
 from lmcache.v1.storage_backend.cache_policy.fifo import FIFOPolicy
 from lmcache.v1.storage_backend.cache_policy.lfu import LFUPolicy
 from lmcache.v1.storage_backend.cache_policy.lru import LRUPolicy
+from lmcache.v1.storage_backend.cache_policy.mru import MRUPolicy
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {"LRU": LRUPolicy, "FIFO": FIFOPolicy, "LFU": LFUPolicy}
+_POLICIES: dict[str, type[EvictionPolicy]] = {"LRU": LRUPolicy, "FIFO": FIFOPolicy, "LFU": LFUPolicy, "MRU": MRUPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """A new policy object by config name (LRU, FIFO, LFU); ValueError otherwise."""
+    """A new policy object by config name (LRU, FIFO, LFU, MRU); ValueError otherwise."""
     try:
         return _POLICIES[name.upper()]()
     except KeyError:
         raise ValueError(f"cache_policy={name!r}: expected one of {', '.join(_POLICIES)}") from None
 
 
-__all__ = ["EvictionPolicy", "FIFOPolicy", "LFUPolicy", "LRUPolicy", "make_policy"]
+__all__ = ["EvictionPolicy", "FIFOPolicy", "LFUPolicy", "LRUPolicy", "MRUPolicy", "make_policy"]
