@@ -71,7 +71,7 @@ def test_key_fields_follow_the_spec_table():
 def test_key_dtype_is_the_encoder_dtype_so_entries_do_not_mix():
     a = ec_cache_key("m", "h", torch.float16)
     b = ec_cache_key("m", "h", torch.bfloat16)
-    assert a.dtype == "float16" and b.dtype == "bfloat16" and a != b
+    assert a.dtype == torch.float16 and b.dtype == torch.bfloat16 and a != b
     assert ec_cache_key("m1", "h", torch.float16) != ec_cache_key("m2", "h", torch.float16)
 
 

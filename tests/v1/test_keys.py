@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmcache.utils import CacheEngineKey, LayerCacheEngineKey, parse_cache_key
+from lmcache.utils import KEY_DTYPE_NAMES, CacheEngineKey, LayerCacheEngineKey, parse_cache_key
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.token_database import ChunkedTokenDatabase
@@ -19,7 +19,7 @@ from lmcache.v1.token_database import ChunkedTokenDatabase
 text = st.text(min_size=1, max_size=20)
 
 
-@given(text, st.integers(1, 8), st.integers(0, 2**128 - 1), text,
+@given(text, st.integers(1, 8), st.integers(0, 2**128 - 1), st.sampled_from(sorted(KEY_DTYPE_NAMES, key=str)),
        st.lists(st.tuples(text, text), max_size=3))
 def test_key_string_round_trip(model, world, chash, dtype, cfgs):
     key = CacheEngineKey(model, world, world - 1, chash, dtype, tuple(cfgs))

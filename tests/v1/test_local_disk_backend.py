@@ -660,7 +660,7 @@ _NS_CHILD = textwrap.dedent(
     def put(i):
         obj = cpu.allocate((64, 1024), torch.uint8, MemoryFormat.BINARY)
         obj.tensor.fill_(i % 251)
-        disk.submit_put(CacheEngineKey("m", 1, 0, i, "u8"), obj)
+        disk.submit_put(CacheEngineKey("m", 1, 0, i, "uint8"), obj)
         obj.ref_count_down()
         disk.flush(30)
     for i in range(4):
