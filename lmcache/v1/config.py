@@ -10,6 +10,7 @@ logged with a "did you mean" suggestion and otherwise ignored.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import difflib
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import yaml
+
+from lmcache.v1.config_compat import RENAMED, is_lmcache_default, lmcache_key
 
 logger = logging.getLogger(__name__)
 
@@ -191,26 +194,47 @@ class LMCacheEngineConfig:
     @classmethod
     def load(cls) -> LMCacheEngineConfig:
         """Defaults, then the file in ``LMCACHE_CONFIG_FILE`` (if set), then env vars."""
-        data: dict[str, Any] = {}
-        path = os.environ.get(CONFIG_FILE_ENV)
-        if path:
-            data.update(_read_yaml(path))
-        data.update(env_overrides(ENV_PREFIX))
-        return cls.from_dict(data, source=path or "environment")
+        data, source = _load_data()
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_defaults(cls, **kwargs: Any) -> LMCacheEngineConfig:
+        """Defaults with ``kwargs`` applied (LMCache 0.5.6's builder), validated.
+
+        Keys are lmcache's or LMCache 0.5.6's (renamed ones are applied under lmcache's
+        name, unsupported ones warned about and ignored, see
+        :mod:`lmcache.v1.config_compat`); any other keyword raises TypeError."""
+        for key in kwargs:
+            if key.lower() not in _PARSERS and lmcache_key(key) is None:
+                close = difflib.get_close_matches(key.lower(), _PARSERS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"from_defaults() got an unknown config key {key!r}{hint}")
+        return cls.from_dict(kwargs, source="from_defaults()")
+
+    def update_config_from_env(self) -> LMCacheEngineConfig:
+        """Apply ``LMCACHE_<KEY>`` environment variables to this config (validated); returns self."""
+        self.apply(env_overrides(ENV_PREFIX), source="environment")
+        return self
 
     # ---------------------------------------------------------------- helpers
-    def apply(self, data: Mapping[str, Any], *, source: str = "config") -> None:
-        """Set keys from ``data`` (validated); unknown keys are warned about and skipped."""
+    def apply(self, data: Mapping[str, Any], *, source: str = "config", validate: bool = True) -> None:
+        """Set keys from ``data`` (validated unless ``validate`` is false); unknown keys
+        are warned about and skipped; LMCache 0.5.6 keys are handled as
+        :mod:`lmcache.v1.config_compat` says."""
+        ours = {str(k).lower() for k in data}
         for raw_key, value in data.items():
             key = str(raw_key).lower()
             parser = _PARSERS.get(key)
             if parser is None:
                 if key == "ec" or key.startswith("ec_"):
                     continue  # encoder-cache overrides: read by load_ec_engine_config
-                warn_unknown_key(key, source)
-                continue
+                key = _lmcache_key_to_ours(key, value, source, ours)
+                if key is None:
+                    continue
+                parser = _PARSERS[key]
             setattr(self, key, parser(key, value))
-        self.validate()
+        if validate:
+            self.validate()
 
     def validate(self) -> None:
         """Check cross-field rules; raises ConfigError."""
@@ -254,11 +278,24 @@ class LMCacheEngineConfig:
         return (self.extra_config or {}).get(name, default)
 
     @property
-    def local_disk_path(self) -> str | None:
-        """``local_disk`` with an optional ``file://`` prefix removed."""
+    def local_disk_paths(self) -> list[str]:
+        """The directories in ``local_disk`` (comma-separated, each ``file://`` optional)."""
         if self.local_disk is None:
-            return None
-        return self.local_disk[len("file://") :] if self.local_disk.startswith("file://") else self.local_disk
+            return []
+        parts = [p.strip() for p in self.local_disk.split(",")]
+        return [p[len("file://") :] if p.startswith("file://") else p for p in parts if p]
+
+    @property
+    def local_disk_path(self) -> str | None:
+        """This process's disk directory: ``local_disk`` without ``file://``; of a
+        comma-separated list, ``paths[device % len(paths)]`` where ``device`` is the
+        current CUDA device (0 without CUDA), as LMCache's ``by_gpu`` sharding."""
+        paths = self.local_disk_paths
+        if not paths:
+            return None if self.local_disk is None else ""
+        if len(paths) == 1:
+            return paths[0]
+        return paths[_current_device_index() % len(paths)]
 
 
 def config_keys() -> tuple[str, ...]:
@@ -272,7 +309,10 @@ def warn_unknown_key(key: str, source: str) -> None:
 
 
 def env_overrides(prefix: str) -> dict[str, str]:
-    """``{key: value}`` for env vars ``<prefix><KEY>`` (lower-cased key)."""
+    """``{key: value}`` for env vars ``<prefix><KEY>`` (lower-cased key).
+
+    A value wrapped in matching quotes (``'...'`` or ``"..."``, as shells and
+    container specs often leave them) is unquoted, escapes included."""
     out: dict[str, str] = {}
     for name, value in os.environ.items():
         if not name.startswith(prefix):
@@ -280,8 +320,60 @@ def env_overrides(prefix: str) -> dict[str, str]:
         key = name[len(prefix) :]
         if prefix == ENV_PREFIX and (key in _RESERVED_ENV or key.startswith("EC_")):
             continue
-        out[key.lower()] = value
+        out[key.lower()] = unquote_env(value)
     return out
+
+
+def unquote_env(value: str) -> str:
+    """``"'redis://h:1'"`` -> ``"redis://h:1"``: strip one pair of matching outer quotes."""
+    text = value.strip()
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in ("'", '"'):
+        try:
+            parsed = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text[1:-1]
+        return parsed if isinstance(parsed, str) else text[1:-1]
+    return value
+
+
+def _lmcache_key_to_ours(key: str, value: Any, source: str, given: set[str]) -> str | None:
+    """The lmcache key an LMCache 0.5.6 key is applied as, or None (ignored, logged)."""
+    known = lmcache_key(key)
+    if known is None:
+        warn_unknown_key(key, source)
+        return None
+    if known.status == RENAMED:
+        if known.note in given:
+            logger.warning("LMCache config key %r in %s ignored: %r is set too", key, source, known.note)
+            return None
+        logger.warning("LMCache config key %r in %s is spelled %r in lmcache; applied as %r",
+                       key, source, known.note, known.note)
+        return known.note
+    if is_lmcache_default(value, known.default):
+        logger.debug("LMCache config key %r in %s (LMCache's default) ignored", key, source)
+    else:
+        logger.warning("LMCache config key %r in %s is not supported by lmcache (ignored): %s; "
+                       "see docs/migrating_from_lmcache.md", key, source, known.note)
+    return None
+
+
+def _current_device_index() -> int:
+    try:
+        import torch
+
+        return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+    except (ImportError, RuntimeError):
+        return 0
+
+
+def _load_data() -> tuple[dict[str, Any], str]:
+    """The raw keys of :meth:`LMCacheEngineConfig.load`: the YAML file, then env vars."""
+    data: dict[str, Any] = {}
+    path = os.environ.get(CONFIG_FILE_ENV)
+    if path:
+        data.update(_read_yaml(path))
+    data.update(env_overrides(ENV_PREFIX))
+    return data, path or "environment"
 
 
 def _read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -329,10 +421,15 @@ def _ec_file_overrides(path: str | None) -> tuple[dict[str, Any], dict[str, Any]
     return prefixed, nested
 
 
-def load_ec_engine_config(base: LMCacheEngineConfig | None = None) -> LMCacheEngineConfig:
-    """The encoder-cache engine's config: a clone of ``base`` with EC overrides applied.
+def load_ec_engine_config(
+    base_config: LMCacheEngineConfig | None = None, *, base: LMCacheEngineConfig | None = None
+) -> LMCacheEngineConfig:
+    """The encoder-cache engine's config: a clone of ``base_config`` with EC overrides applied.
 
-    ``base`` None means :meth:`LMCacheEngineConfig.load`. The EC overrides come from
+    ``base_config`` (LMCache's keyword; ``base`` is accepted too) None means the keys
+    :meth:`LMCacheEngineConfig.load` reads, taken before the KV engine's own checks:
+    a base that sets ``local_disk`` without ``max_local_disk_size`` still gives the EC
+    engine its 64 GiB default below (the KV engine keeps its error for that file). The EC overrides come from
     the YAML file named by ``LMCACHE_CONFIG_FILE`` (whether or not ``base`` came from
     it) and the environment; later wins:
 
@@ -350,7 +447,15 @@ def load_ec_engine_config(base: LMCacheEngineConfig | None = None) -> LMCacheEng
     hidden-state cache and the layerwise path are switched off (EC has neither).
     The caller's ``base`` is never mutated.
     """
-    cfg = (base if base is not None else LMCacheEngineConfig.load()).copy()
+    if base_config is not None and base is not None:
+        raise TypeError("load_ec_engine_config(): give base_config or base, not both")
+    base_config = base_config if base_config is not None else base
+    if base_config is not None:
+        cfg = base_config.copy()
+    else:
+        data, source = _load_data()
+        cfg = LMCacheEngineConfig()
+        cfg.apply(data, source=source, validate=False)
     prefixed, nested = _ec_file_overrides(os.environ.get(CONFIG_FILE_ENV))
     overrides: dict[str, Any] = {}
     for source in (prefixed, nested, env_overrides(EC_ENV_PREFIX)):

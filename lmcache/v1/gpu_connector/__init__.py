@@ -2,8 +2,16 @@
 
 Layouts are data (:mod:`.layouts`); the copy mechanism (:mod:`.copy_ops`) is shared by
 the bulk connector (:mod:`.paged`) and the layerwise connectors (:mod:`.layerwise`).
+The connector classes are exported here, where LMCache 0.5.6 users and vLLM's in-tree
+LMCache integration import them.
 """
 
+from lmcache.v1.gpu_connector.layerwise import VLLMBufferLayerwiseGPUConnector, VLLMPagedMemLayerwiseGPUConnector
 from lmcache.v1.gpu_connector.paged import GPUConnectorInterface, VLLMPagedMemGPUConnectorV2
 
-__all__ = ["GPUConnectorInterface", "VLLMPagedMemGPUConnectorV2"]
+__all__ = [
+    "GPUConnectorInterface",
+    "VLLMBufferLayerwiseGPUConnector",
+    "VLLMPagedMemGPUConnectorV2",
+    "VLLMPagedMemLayerwiseGPUConnector",
+]

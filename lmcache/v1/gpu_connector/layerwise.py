@@ -268,8 +268,12 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
     on it.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, use_double_buffer: bool = True, **kwargs: Any) -> None:
+        """Arguments of :class:`~lmcache.v1.gpu_connector.paged.PagedKVBase`;
+        ``use_double_buffer`` (LMCache's) is accepted and has no effect: each direction
+        has its own buffer and stream."""
         super().__init__(*args, **kwargs)
+        self.use_double_buffer = bool(use_double_buffer)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def _buffer(self, name: str, num_tokens: int, like: torch.Tensor) -> torch.Tensor:

@@ -44,19 +44,31 @@ class GPUConnectorInterface(ABC):
 
 
 class PagedKVBase:
-    """Shared parts of the paged connectors: argument checks, layout and stream handling."""
+    """Shared parts of the paged connectors: argument checks, layout and stream handling.
+
+    Constructor: LMCache 0.5.6's ``(hidden_dim_size, num_layers, use_gpu=False, **kw)``
+    form works. ``use_gpu`` is accepted and has no effect (copies go straight between
+    the paged cache and the objects; no intermediate GPU buffer is needed). ``dtype``
+    None takes the dtype of the first KV tensors the connector sees (later calls must
+    match it); ``device`` None is the current CUDA device, or the CPU without CUDA.
+    """
 
     def __init__(
         self,
         hidden_dim_size: int,
         num_layers: int,
+        use_gpu: bool = False,
         *,
         chunk_size: int = 256,
-        dtype: torch.dtype,
-        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         use_mla: bool = False,
         layout: str | None = None,
     ) -> None:
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype={dtype!r}: expected a torch.dtype or None")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         if hidden_dim_size <= 0 or num_layers <= 0 or chunk_size <= 0:
             raise ValueError(
                 f"hidden_dim_size={hidden_dim_size}, num_layers={num_layers}, chunk_size={chunk_size}: expected > 0"
@@ -64,7 +76,8 @@ class PagedKVBase:
         self.hidden_dim_size = hidden_dim_size
         self.num_layers = num_layers
         self.chunk_size = chunk_size
-        self.dtype = dtype
+        self.use_gpu = bool(use_gpu)
+        self.dtype: torch.dtype | None = dtype
         self.device = torch.device(device)
         self.use_mla = use_mla
         self.num_kv = 1 if use_mla else 2
@@ -90,6 +103,8 @@ class PagedKVBase:
         if not isinstance(slot_mapping, torch.Tensor):
             raise ValueError("slot_mapping: expected a 1-D integer tensor")
         first = kvcaches[0]
+        if self.dtype is None:
+            self.dtype = first.dtype  # adopted from the first KV seen (dtype=None at construction)
         if first.dtype != self.dtype:
             raise ValueError(f"kvcaches: dtype {first.dtype} does not match the connector dtype {self.dtype}")
         cached = self._geom_cache
