@@ -675,8 +675,11 @@ _NS_CHILD = textwrap.dedent(
         good += obj is not None and bool((obj.tensor == k.chunk_hash % 251).all())
         if obj is not None:
             obj.ref_count_down()
+    last = disk.get_blocking(CacheEngineKey("m", 1, 0, 39, "uint8"))
     out.update(disk.stats.snapshot(), disabled=disk.disabled_reason, indexed=len(disk), good=good,
-               messages=counter.messages)
+               messages=counter.messages, capacity=disk.capacity_bytes, last_readable=last is not None)
+    if last is not None:
+        last.ref_count_down()
     disk.close()
     print(json.dumps(out))
     """
@@ -703,13 +706,17 @@ def _run_in_private_tmpfs(tmp_path, scenario: str, size: str = "1m") -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_disk_full_skips_writes_with_one_log_line(tmp_path):
+def test_disk_full_lowers_capacity_and_keeps_caching_with_one_log_line(tmp_path):
+    # max_local_disk_size is 1 GiB on a 1 MiB filesystem: ~15 of the 40 entries fit at once
     out = _run_in_private_tmpfs(tmp_path, "full")
     assert out["disabled"] is None  # a full disk is not fatal
-    assert out["write_errors"] > 0 and out["writes_completed"] > 0
+    assert out["disk_full_events"] >= 1
+    assert out["capacity"] < 1 << 20  # lowered to what the filesystem gives
+    assert out["writes_completed"] == 40  # it kept caching: every write after the first ENOSPC landed
+    assert out["evictions"] > 0 and out["last_readable"]
     assert out["indexed"] == out["writes_completed"] - out["evictions"] == out["good"]
     logged = [m for m in out["messages"] if "can be used" not in m]  # minus the start-up free-space warning
-    assert len(logged) == 1 and "disk full" in logged[0]
+    assert len(logged) == 1 and "filesystem full" in logged[0]
 
 
 def test_read_only_at_run_time_disables_the_tier(tmp_path):

@@ -45,6 +45,14 @@ class StorageBackend(ABC):
     def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Start storing ``obj`` under ``key``; may complete asynchronously."""
 
+    def batched_submit_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        """Submit the chunks of one sequence (``keys`` head first). Default: ``submit_put``
+        from the last to the first, so the head is the most recent entry for every
+        eviction policy (tail evicted before head). Tiers that book space may override
+        to keep the head when not everything fits."""
+        for key, obj in zip(reversed(keys), reversed(objs)):
+            self.submit_put(key, obj)
+
     @abstractmethod
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         """The object (one reference for the caller) or None on a miss."""

@@ -9,11 +9,17 @@ A read checks size, header, full key and payload checksum; any failure is a miss
 the bad file is deleted and counted. A restart rebuilds the index from file headers
 alone (:mod:`lmcache.v1.storage_backend.disk_index`).
 
-Threads: ``submit_put`` only queues (bounded; a full queue drops the write and counts
-it); ``write_threads`` workers do the I/O. ``get_non_blocking`` runs reads on
-``read_threads`` reader threads. Runtime failures never raise into the engine: a full
-disk skips writes, a permission error or a removed directory disables the tier, each
-with one log line.
+Threads: ``submit_put`` reserves the entry's space (evicting in policy order, all or
+nothing) and queues the write (bounded; a full queue drops the write and counts it);
+``write_threads`` workers do the I/O. Because space is booked when a write is
+submitted, ``contains`` never promises an entry that a queued write will evict when it
+lands: the indexed entries and the queued ones fit the capacity together, and a queued
+entry is served from its memory object until its file exists. ``get_non_blocking``
+runs reads on ``read_threads`` reader threads. Runtime failures never raise into the
+engine: a full filesystem (ENOSPC and the like) lowers the tier's effective capacity to
+what the filesystem gives, evicts its own entries to fit and keeps caching (the
+capacity grows back, up to ``max_local_disk_size``, when space frees up); a permission
+error or a removed directory disables the tier. Each is logged once.
 
 Options (``extra_config``): ``local_disk_o_direct`` (bool, default false),
 ``local_disk_write_threads`` (2), ``local_disk_read_threads`` (2),
@@ -31,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -69,6 +75,7 @@ _FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _GONE = {errno.ENOENT, errno.ENOTDIR}
 _SYNC_BATCH = 64  # renames between directory fsyncs while the queue stays busy
+_REGROW_INTERVAL = 5.0  # seconds between free-space checks while the capacity is lowered
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +140,9 @@ class DiskTierStats(Counters):
     puts_rejected_too_large: int = 0
     """Entries larger than the whole tier."""
     puts_rejected_no_space: int = 0
-    """Writes that found too many pinned or in-use entries to make room."""
+    """Puts that found too many pinned, in-use or queued entries to make room."""
+    disk_full_events: int = 0
+    """Writes that failed because the filesystem was full (the capacity was lowered)."""
     writes_completed: int = 0
     bytes_written: int = 0
     write_errors: int = 0
@@ -153,7 +162,8 @@ class DiskTierStats(Counters):
 
 @dataclass(slots=True, eq=False)
 class _PendingWrite:
-    """A put between ``submit_put`` and its rename (holds one reference to ``obj``)."""
+    """A put between ``submit_put`` and its rename (holds one reference to ``obj`` and
+    a booking of ``size`` bytes in the index)."""
 
     key: CacheEngineKey
     key_str: str
@@ -199,6 +209,7 @@ class LocalDiskBackend(StorageBackend):
         self._cond = threading.Condition(self._lock)
         self._sync_lock = threading.Lock()
         self._index = DiskIndex(self.options.capacity_bytes, make_policy(self.options.cache_policy))
+        self._lowered_at: float | None = None  # monotonic time the capacity was last lowered (disk full)
         self._pending: dict[CacheEngineKey, _PendingWrite] = {}
         self._unwritten: set[int] = set()  # seqs queued or being written
         self._to_sync: list[int] = []  # seqs renamed since the last directory fsync
@@ -282,7 +293,13 @@ class LocalDiskBackend(StorageBackend):
 
     @property
     def capacity_bytes(self) -> int:
+        """The effective capacity: ``max_local_disk_size``, or less after the filesystem filled up."""
         return self._index.capacity
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes booked by queued writes (counted against the capacity with ``used_bytes``)."""
+        return self._index.reserved
 
     @property
     def o_direct(self) -> bool:
@@ -356,43 +373,72 @@ class LocalDiskBackend(StorageBackend):
             return True
 
     def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        """Queue a write of ``obj``; never blocks. Drops (and counts) it if the queue is full."""
-        key_str = key.to_string()
-        size = header_size(key_str, len(obj.meta.shape), PAGE) + obj.get_size()
+        """Reserve space for ``obj`` (evicting now, in policy order) and queue its write.
+
+        Never blocks on data I/O (evicted files are unlinked). Drops and counts the put
+        if the queue is full or not enough entries can be evicted (pinned, being read,
+        or themselves queued); then nothing is evicted."""
+        self.batched_submit_put([key], [obj])
+
+    def batched_submit_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        """Submit the chunks of one sequence, ``keys`` head first.
+
+        Space is reserved head first, so a sequence larger than what can be freed keeps
+        its head (its tail is unreachable without it anyway) and the rest is dropped
+        and counted; writes are queued tail first, so the head lands last and is the
+        most recent entry. Entries already on disk are only touched (tail first)."""
+        assert len(keys) == len(objs)
+        booked: list[_PendingWrite] = []
+        victims: list[DiskEntry] = []
         with self._lock:
-            if self._closed or self._disabled or key in self._pending:
+            if self._closed or self._disabled:
                 return
-            if key in self._index:
+            for key in reversed(keys):
                 self._index.touch(key)
-                return
-            if size > self._index.capacity:
-                self.stats.add(puts_rejected_too_large=1)
-                self._log_once(
-                    logging.WARNING,
-                    "too-large",
-                    "lmcache disk tier: entry of %d bytes is larger than the tier (%d bytes); not stored",
-                    size,
-                    self._index.capacity,
-                )
-                return
-            self._seq += 1
-            item = _PendingWrite(key, key_str, obj, self._seq, size)
-            obj.ref_count_up()
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                obj.ref_count_down()
-                self.stats.add(puts_dropped_queue_full=1)
-                self._log_once(
-                    logging.WARNING,
-                    "queue-full",
-                    "lmcache disk tier: write queue full (%d entries); dropping writes until it drains",
-                    self.options.queue_depth,
-                )
-                return
-            self._pending[key] = item
-            self._unwritten.add(item.seq)
-        self.stats.add(puts_accepted=1)
+            room = self.options.queue_depth - self._queue.qsize()  # only we add, under the lock
+            for i, (key, obj) in enumerate(zip(keys, objs)):
+                if key in self._pending or key in self._index:
+                    continue
+                key_str = key.to_string()
+                size = header_size(key_str, len(obj.meta.shape), PAGE) + obj.get_size()
+                if size > self._index.capacity:
+                    self.stats.add(puts_rejected_too_large=len(keys) - i)
+                    self._log_once(
+                        logging.WARNING,
+                        "too-large",
+                        "lmcache disk tier: entry of %d bytes is larger than the tier (%d bytes); not stored",
+                        size,
+                        self._index.capacity,
+                    )
+                    break
+                if len(booked) >= room:
+                    self._drop_queue_full(len(keys) - i)
+                    break
+                evicted = self._index.reserve(size)
+                if evicted is None:
+                    self.stats.add(puts_rejected_no_space=len(keys) - i)
+                    break
+                victims += evicted
+                self._seq += 1
+                booked.append(_PendingWrite(key, key_str, obj, self._seq, size))
+            for victim in victims:
+                self._unlink(victim.name)
+            for item in reversed(booked):
+                item.obj.ref_count_up()
+                self._queue.put_nowait(item)  # room was checked above
+                self._pending[item.key] = item
+                self._unwritten.add(item.seq)
+        if booked or victims:
+            self.stats.add(puts_accepted=len(booked), evictions=len(victims))
+
+    def _drop_queue_full(self, count: int) -> None:
+        self.stats.add(puts_dropped_queue_full=count)
+        self._log_once(
+            logging.WARNING,
+            "queue-full",
+            "lmcache disk tier: write queue full (%d entries); dropping writes until it drains",
+            self.options.queue_depth,
+        )
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         """Read ``key`` into a new CPU-pool object (caller owns its reference); None on a miss."""
@@ -550,21 +596,19 @@ class LocalDiskBackend(StorageBackend):
             if self._queue.empty():
                 self._sync_dir()
 
-    def _write_one(self, item: _PendingWrite) -> None:
-        """Reserve space, write a temp file, rename it into place. Runs on a writer thread."""
+    def _write_one(self, item: _PendingWrite, retry_when_full: bool = True) -> None:
+        """Write a temp file, rename it into place, index it. Runs on a writer thread.
+
+        The space was reserved by :meth:`submit_put`; every way out commits or releases
+        that booking. A full filesystem lowers the capacity (evicting to fit) and, if
+        the entry still fits, the write is tried once more."""
         name = entry_file_name(item.key_str)
         with self._lock:
             if item.cancelled or self._disabled:
+                self._index.release(item.size)
                 self._finish_locked(item)
                 return
-            victims = self._index.reserve(item.size)
-            if victims is None:
-                self.stats.add(puts_rejected_no_space=1)
-                self._finish_locked(item)
-                return
-            for victim in victims:
-                self._unlink(victim.name)
-            self.stats.add(evictions=len(victims))
+        self._maybe_regrow()
         payload = item.obj.byte_array
         tmp = os.path.join(self.directory, temp_file_name(name, self._owner.token, item.seq))
         try:
@@ -583,12 +627,73 @@ class LocalDiskBackend(StorageBackend):
                 self.stats.add(writes_completed=1, bytes_written=item.size)
                 self._finish_locked(item)
         except (OSError, ValueError) as exc:
+            remove_quiet(tmp)  # write_entry removed its own partial file; this covers a failed rename
+            if isinstance(exc, OSError) and exc.errno in _FULL and not item.cancelled:
+                if self._on_disk_full(exc, item) and retry_when_full:
+                    self._write_one(item, retry_when_full=False)
+                    return
+            else:
+                self._on_write_error(exc)
             self.stats.add(write_errors=1)
-            self._on_write_error(exc)
             with self._lock:
-                remove_quiet(tmp)  # write_entry removed its own partial file; this covers a failed rename
                 self._index.release(item.size)
                 self._finish_locked(item)
+
+    # ------------------------------------------------------------------ disk full
+    def _fs_room(self) -> int | None:
+        """Bytes this tier can hold on its filesystem now: its files plus the free space,
+        less a page per writer thread (slack for file-system overhead); None if unknown."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return None
+        return self._index.used + st.f_bavail * st.f_frsize - PAGE * self.options.write_threads
+
+    def _on_disk_full(self, exc: OSError, item: _PendingWrite) -> bool:
+        """Lower the capacity to what the filesystem gives and evict to fit it.
+
+        Returns True if ``item`` (whose booking is still held) fits the lowered capacity,
+        i.e. a retry may succeed. Never raises."""
+        self.stats.add(disk_full_events=1)
+        room = self._fs_room()
+        with self._lock:
+            old = self._index.capacity
+            new = max(PAGE, min(old, room if room is not None else self._index.used))
+            self._index.capacity = new
+            self._lowered_at = time.monotonic()
+            victims = self._index.shrink_to_capacity()
+            for victim in victims:
+                self._unlink(victim.name)
+            fits = self._index.used + self._index.reserved <= new
+        if victims:
+            self.stats.add(evictions=len(victims))
+        self._log_once(
+            logging.WARNING,
+            "full",
+            "lmcache disk tier %s: filesystem full (%s); capacity lowered from %.3f to %.3f GiB "
+            "(%d entries evicted) and caching goes on",
+            self.directory,
+            exc.strerror,
+            old / GiB,
+            new / GiB,
+            len(victims),
+        )
+        return fits
+
+    def _maybe_regrow(self) -> None:
+        """While the capacity is lowered, grow it back (up to the configured size) as
+        the filesystem frees up; checked at most every few seconds."""
+        lowered = self._lowered_at
+        if lowered is None or time.monotonic() - lowered < _REGROW_INTERVAL:
+            return
+        room = self._fs_room()
+        with self._lock:
+            self._lowered_at = time.monotonic()
+            if room is None or room <= self._index.capacity:
+                return
+            self._index.capacity = min(self.options.capacity_bytes, room)
+            if self._index.capacity >= self.options.capacity_bytes:
+                self._lowered_at = None
 
     def _write_file(self, path: str, header: bytes, payload: torch.Tensor) -> None:
         if self._o_direct:
@@ -627,14 +732,6 @@ class LocalDiskBackend(StorageBackend):
     def _on_write_error(self, exc: OSError | ValueError) -> None:
         if not isinstance(exc, OSError):
             self._log_once(logging.WARNING, "unstorable", "lmcache disk tier: entry not stored: %s", exc)
-        elif exc.errno in _FULL:
-            self._log_once(
-                logging.WARNING,
-                "full",
-                "lmcache disk tier %s: disk full (%s); skipping writes",
-                self.directory,
-                exc.strerror,
-            )
         elif exc.errno in _DENIED:
             self._disable(f"cannot write ({exc.strerror})")
         elif exc.errno in _GONE and not os.path.isdir(self.directory):

@@ -81,13 +81,14 @@ class StorageManager:
     def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         """Store objects in L1 and submit them to the lower tiers.
 
-        Keys are handed over from the last to the first so that the head of a sequence
-        is the most recent entry for every eviction policy (tail evicted before head).
+        Each tier gets the whole sequence (``batched_submit_put``, keys head first) and
+        hands the keys to its policy from the last to the first, so that the head of a
+        sequence is the most recent entry for every eviction policy (tail evicted
+        before head).
         """
         assert len(keys) == len(objs)
         for backend in self.backends:
-            for key, obj in zip(reversed(keys), reversed(objs)):
-                backend.submit_put(key, obj)
+            backend.batched_submit_put(keys, objs)
 
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         self.batched_put([key], [obj])
