@@ -199,17 +199,23 @@ class LMCacheEngineConfig:
 
     @classmethod
     def from_defaults(cls, **kwargs: Any) -> LMCacheEngineConfig:
-        """Defaults with ``kwargs`` applied (LMCache 0.5.6's builder), validated.
+        """Defaults with ``kwargs`` applied (LMCache 0.5.6's builder).
 
-        Keys are lmcache's or LMCache 0.5.6's (renamed ones are applied under lmcache's
-        name, unsupported ones warned about and ignored, see
-        :mod:`lmcache.v1.config_compat`); any other keyword raises TypeError."""
+        Each value is parsed and checked (ConfigError); the rules that tie keys
+        together (e.g. ``local_disk`` needs ``max_local_disk_size``) are left to
+        :meth:`validate`, which the engine calls when it is built, as in LMCache: a
+        base config for :func:`load_ec_engine_config` may leave the disk size to the
+        encoder cache's default. Keys are lmcache's or LMCache 0.5.6's (renamed ones
+        are applied under lmcache's name, unsupported ones warned about and ignored,
+        see :mod:`lmcache.v1.config_compat`); any other keyword raises TypeError."""
         for key in kwargs:
             if key.lower() not in _PARSERS and lmcache_key(key) is None:
                 close = difflib.get_close_matches(key.lower(), _PARSERS, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(f"from_defaults() got an unknown config key {key!r}{hint}")
-        return cls.from_dict(kwargs, source="from_defaults()")
+        cfg = cls()
+        cfg.apply(kwargs, source="from_defaults()", validate=False)
+        return cfg
 
     def update_config_from_env(self) -> LMCacheEngineConfig:
         """Apply ``LMCACHE_<KEY>`` environment variables to this config (validated); returns self."""

@@ -308,8 +308,14 @@ def test_from_defaults_applies_keywords_and_validates() -> None:
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=64, local_disk="/tmp/x", max_local_disk_size=2)
     assert (cfg.chunk_size, cfg.local_disk, cfg.max_local_disk_size) == (64, "/tmp/x", 2.0)
     assert LMCacheEngineConfig.from_defaults() == LMCacheEngineConfig()
-    with pytest.raises(ConfigError, match="chunk_size"):
-        LMCacheEngineConfig.from_defaults(chunk_size=0)
+    with pytest.raises(ConfigError, match="chunk_size='x'"):
+        LMCacheEngineConfig.from_defaults(chunk_size="x")  # each value is parsed at once
+    # rules across keys are checked by validate(), which building an engine runs
+    unsized = LMCacheEngineConfig.from_defaults(local_disk="/tmp/x")
+    with pytest.raises(ConfigError, match="max_local_disk_size"):
+        unsized.validate()
+    with pytest.raises(ConfigError, match="chunk_size=0"):
+        LMCacheEngine(LMCacheEngineConfig.from_defaults(chunk_size=0), lmcache_metadata(), None)
     with pytest.raises(TypeError, match="'chunk_sise'.*did you mean 'chunk_size'"):
         LMCacheEngineConfig.from_defaults(chunk_sise=64)
 
@@ -374,6 +380,13 @@ def test_comma_separated_local_disk_paths(tmp_path) -> None:
 
 def test_max_hidden_state_cpu_size_default() -> None:
     assert LMCacheEngineConfig().max_hidden_state_cpu_size == 2.0
+
+
+def test_load_ec_engine_config_gives_an_unsized_base_disk_the_ec_default() -> None:
+    base = LMCacheEngineConfig.from_defaults(local_cpu=False, max_local_cpu_size=0, local_disk="/tmp/ec-disk",
+                                             max_local_disk_size=0)
+    cfg = load_ec_engine_config(base_config=base)
+    assert cfg.local_cpu and cfg.max_local_cpu_size == 1.0 and cfg.max_local_disk_size == 64.0
 
 
 def test_load_ec_engine_config_base_config_keyword(tmp_path) -> None:
