@@ -35,6 +35,8 @@ KEY_DTYPE_NAMES: dict[torch.dtype, str] = _key_dtypes()
 _DTYPE_BY_NAME: dict[str, torch.dtype] = {name: d for d, name in KEY_DTYPE_NAMES.items()}
 # LMCache 0.5.6 spells the float8 types "fp8_..."; accepted on input.
 _DTYPE_BY_NAME.update({"fp8" + name[len("float8"):]: d for name, d in list(_DTYPE_BY_NAME.items()) if name.startswith("float8")})
+# dtype or name -> dtype, for the per-key check (one dict lookup on the hot path)
+_DTYPE_LOOKUP: dict[object, torch.dtype] = {**{d: d for d in KEY_DTYPE_NAMES}, **_DTYPE_BY_NAME}
 
 
 def key_dtype(value: object) -> torch.dtype:
@@ -88,8 +90,15 @@ class CacheEngineKey:
     request_configs: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
-        if self.dtype.__class__ is not torch.dtype or self.dtype not in KEY_DTYPE_NAMES:
-            object.__setattr__(self, "dtype", key_dtype(self.dtype))
+        dtype = self.dtype
+        try:
+            found = _DTYPE_LOOKUP.get(dtype)  # type: ignore[call-overload]
+        except TypeError:  # unhashable
+            found = None
+        if found is None:
+            found = key_dtype(dtype)  # raises
+        if found is not dtype:
+            object.__setattr__(self, "dtype", found)
         if self.request_configs.__class__ is not tuple:
             object.__setattr__(self, "request_configs", _request_configs(self.request_configs))
 

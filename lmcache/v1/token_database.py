@@ -157,7 +157,7 @@ class ChunkedTokenDatabase:
             prev = hashlib.blake2b(prev + raw[start * 4 : end * 4], digest_size=16).digest()
             if start >= first:
                 key = CacheEngineKey(
-                    md.model_name, md.world_size, md.worker_id, int.from_bytes(prev, "little"), md.dtype_name, req
+                    md.model_name, md.world_size, md.worker_id, int.from_bytes(prev, "little"), md.kv_dtype, req
                 )
                 out.append(ChunkSpan(start, end, key))
         return out
