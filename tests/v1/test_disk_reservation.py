@@ -6,6 +6,8 @@ Real files in a temp directory, real writer threads; nothing is mocked.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, PoolAllocator
 from lmcache.v1.storage_backend.cache_policy import make_policy
-from lmcache.v1.storage_backend.disk_file import PAGE
+from lmcache.v1.storage_backend.disk_file import PAGE, entry_file_name
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
@@ -124,14 +126,21 @@ def test_a_queued_write_evicts_at_submit_not_when_it_lands(tmp_path) -> None:
     h = Harness(tmp_path, capacity_pages=2 * (PAGE + PAGE) // PAGE)  # two 1-page entries (header + payload)
     try:
         h.put(0)
+        assert h.disk.flush(30)  # one at a time: two writer threads may land them in either order
         h.put(3)
         assert h.disk.flush(30)
         assert h.promised() == {0, 3}
         h.put(6)  # a third 1-page entry: evicts key 0 (LRU) now, before anything is written
-        assert h.promised() == {3, 6}
+        assert h.promised() == {3, 6}  # key 0's file may still exist: it is not adopted back
         assert h.disk.flush(30)
         assert h.promised() == {3, 6}
         h.check_readable({3, 6})
+        files = {n for n in os.listdir(h.disk.directory) if n.endswith(".lmc")}
+        assert files == {entry_file_name(key(i).to_string()) for i in (3, 6)}  # the writer unlinked key 0's file
+        h.put(0)  # evicted and stored again: the new file is kept
+        assert h.disk.flush(30)
+        assert h.promised() == {0, 6}
+        h.check_readable({0, 6})
     finally:
         h.close()
 

@@ -10,7 +10,7 @@ the bad file is deleted and counted. A restart rebuilds the index from file head
 alone (:mod:`lmcache.v1.storage_backend.disk_index`).
 
 Threads: ``submit_put`` reserves the entry's space (evicting in policy order, all or
-nothing) and queues the write (bounded; a full queue drops the write and counts it);
+nothing; a writer unlinks the evicted files before its next write) and queues the write (bounded; a full queue drops the write and counts it);
 ``write_threads`` workers do the I/O. Because space is booked when a write is
 submitted, ``contains`` never promises an entry that a queued write will evict when it
 lands: the indexed entries and the queued ones fit the capacity together, and a queued
@@ -185,7 +185,7 @@ class LocalDiskBackend(StorageBackend):
     """Entries on a local filesystem, surviving restarts, verified on every read.
 
     Calling threads: any. ``contains``, ``submit_put``, ``remove``, ``unpin`` and
-    ``get_non_blocking`` do no data I/O (a removal or an eviction unlinks a file);
+    ``get_non_blocking`` do no data I/O (a removal unlinks a file);
     ``get_blocking`` reads on the calling thread; ``flush`` and ``close`` wait for
     the writers.
 
@@ -211,6 +211,7 @@ class LocalDiskBackend(StorageBackend):
         self._index = DiskIndex(self.options.capacity_bytes, make_policy(self.options.cache_policy))
         self._lowered_at: float | None = None  # monotonic time the capacity was last lowered (disk full)
         self._pending: dict[CacheEngineKey, _PendingWrite] = {}
+        self._doomed: set[str] = set()  # files of entries evicted at submit, not yet unlinked
         self._unwritten: set[int] = set()  # seqs queued or being written
         self._to_sync: list[int] = []  # seqs renamed since the last directory fsync
         self._seq = 0
@@ -344,6 +345,8 @@ class LocalDiskBackend(StorageBackend):
         """
         key_str = key.to_string()
         name = entry_file_name(key_str)
+        if name in self._doomed:  # evicted, file not yet unlinked (a racy read is harmless: checked again below)
+            return False
         try:
             header, st = read_header(os.path.join(self.directory, name))
         except (OSError, ValueError):  # CorruptEntryError is a ValueError
@@ -355,6 +358,8 @@ class LocalDiskBackend(StorageBackend):
                 return False
             if key in self._index or key in self._pending:
                 return True
+            if name in self._doomed:
+                return False
             victims = self._index.reserve(st.st_size)
             if victims is None:
                 return False
@@ -375,7 +380,8 @@ class LocalDiskBackend(StorageBackend):
     def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Reserve space for ``obj`` (evicting now, in policy order) and queue its write.
 
-        Never blocks on data I/O (evicted files are unlinked). Drops and counts the put
+        Never does I/O: evicted entries leave the index at once and a writer thread
+        unlinks their files before its next write. Drops and counts the put
         if the queue is full or not enough entries can be evicted (pinned, being read,
         or themselves queued); then nothing is evicted."""
         self.batched_submit_put([key], [obj])
@@ -421,8 +427,7 @@ class LocalDiskBackend(StorageBackend):
                 victims += evicted
                 self._seq += 1
                 booked.append(_PendingWrite(key, key_str, obj, self._seq, size))
-            for victim in victims:
-                self._unlink(victim.name)
+            self._doomed.update(v.name for v in victims)  # unlinked by a writer, before its next write
             for item in reversed(booked):
                 item.obj.ref_count_up()
                 self._queue.put_nowait(item)  # room was checked above
@@ -520,6 +525,7 @@ class LocalDiskBackend(StorageBackend):
             self._queue.put(None)  # behind the remaining items, which see ``cancelled``
         for t in self._writers:
             t.join(self.options.close_timeout)
+        self._reap()
         self._readers.shutdown(wait=True, cancel_futures=True)
         with self._sync_lock:
             os.close(self._dir_fd)
@@ -582,9 +588,22 @@ class LocalDiskBackend(StorageBackend):
                 self._unlink(entry.name)
 
     # ------------------------------------------------------------------ writes
+    def _reap(self) -> None:
+        """Unlink the files of entries evicted by ``submit_put`` (writer thread).
+
+        One file per lock hold, so lookups wait for at most one unlink; a name that a
+        new write of the same key renamed into place meanwhile is not in the set any
+        more (the rename removed it), so a live file is never deleted."""
+        while True:
+            with self._lock:
+                if not self._doomed:
+                    return
+                self._unlink(self._doomed.pop())
+
     def _write_loop(self) -> None:
         while True:
             item = self._queue.get()
+            self._reap()
             if item is None:
                 return
             try:
@@ -620,6 +639,7 @@ class LocalDiskBackend(StorageBackend):
                     self._index.release(item.size)
                     self._finish_locked(item)
                     return
+                self._doomed.discard(name)  # an older file of this key, evicted but not yet unlinked, is replaced
                 os.rename(tmp, os.path.join(self.directory, name))
                 entry = DiskEntry(item.key, name, item.obj.meta, len(header), item.size, pins=item.pins)
                 self._index.commit(entry, item.size)
@@ -655,6 +675,7 @@ class LocalDiskBackend(StorageBackend):
         Returns True if ``item`` (whose booking is still held) fits the lowered capacity,
         i.e. a retry may succeed. Never raises."""
         self.stats.add(disk_full_events=1)
+        self._reap()  # evicted files still on disk would make the room look smaller than it is
         room = self._fs_room()
         with self._lock:
             old = self._index.capacity
