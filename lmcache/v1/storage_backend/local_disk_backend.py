@@ -402,9 +402,11 @@ class LocalDiskBackend(StorageBackend):
             for key in reversed(keys):
                 self._index.touch(key)
             room = self.options.queue_depth - self._queue.qsize()  # only we add, under the lock
+            seen: set[CacheEngineKey] = set()
             for i, (key, obj) in enumerate(zip(keys, objs)):
-                if key in self._pending or key in self._index:
+                if key in self._pending or key in self._index or key in seen:
                     continue
+                seen.add(key)
                 key_str = key.to_string()
                 size = header_size(key_str, len(obj.meta.shape), PAGE) + obj.get_size()
                 if size > self._index.capacity:
