@@ -6,8 +6,14 @@ Real files in a temp directory, real writer threads; nothing is mocked.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+import textwrap
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -198,3 +204,70 @@ def test_engine_lookup_right_after_store_matches_the_retrieve(tmp_path) -> None:
         assert engine.lookup(p2) == 96
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------- a filesystem that fills and frees up
+_REGROW_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    import lmcache.v1.storage_backend.local_disk_backend as ldb
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat, PoolAllocator
+    from lmcache.v1.storage_backend.cache_policy import make_policy
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+    mnt = sys.argv[1]
+    ballast = os.path.join(mnt, "ballast")
+    with open(ballast, "wb") as f:  # another user of the filesystem takes most of it
+        f.write(b"x" * (1536 << 10))
+    cfg = LMCacheEngineConfig.from_dict({"local_disk": mnt + "/cache", "max_local_disk_size": 1})
+    cpu = LocalCPUBackend(PoolAllocator(64 << 20), make_policy("LRU"))
+    disk = ldb.LocalDiskBackend(cfg, cpu)
+    def put(i):
+        obj = cpu.allocate((64, 1024), torch.uint8, MemoryFormat.BINARY)
+        obj.tensor.fill_(i % 251)
+        disk.submit_put(CacheEngineKey("m", 1, 0, i, torch.uint8), obj)
+        obj.ref_count_down()
+        assert disk.flush(30)
+    for i in range(10):
+        put(i)
+    out = {"lowered": disk.capacity_bytes, "after_full": len(disk)}
+    os.unlink(ballast)  # the other user frees its space
+    ldb._REGROW_INTERVAL = 0.0  # check the free space at the next write (normally every 5 s)
+    for i in range(10, 40):
+        put(i)
+    good = 0
+    for k in disk.keys():
+        obj = disk.get_blocking(k)
+        good += obj is not None and bool((obj.tensor == k.chunk_hash % 251).all())
+        if obj is not None:
+            obj.ref_count_down()
+    out.update(disk.stats.snapshot(), regrown=disk.capacity_bytes, indexed=len(disk), good=good)
+    disk.close()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_capacity_lowered_by_a_full_filesystem_grows_back(tmp_path) -> None:
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare is not available")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = tmp_path / "child.py"
+    script.write_text(_REGROW_CHILD)
+    cmd = [
+        "unshare", "-rm", "sh", "-c",
+        'mount -t tmpfs -o size=2m,mode=0700 tmpfs "$1" || exit 77; exec "$2" "$3" "$1"',
+        "sh", str(mnt), sys.executable, str(script),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    if proc.returncode == 77 or "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # ~0.5 MiB left for the tier while the ballast is there, ~2 MiB after it is gone (68 KiB entries)
+    assert out["disk_full_events"] >= 1 and out["lowered"] < 600 << 10
+    assert out["regrown"] > 1 << 20 and out["indexed"] > out["after_full"]
+    assert out["writes_completed"] == 40 and out["indexed"] == out["good"]
