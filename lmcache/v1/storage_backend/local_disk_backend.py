@@ -394,6 +394,7 @@ class LocalDiskBackend(StorageBackend):
         and counted; writes are queued tail first, so the head lands last and is the
         most recent entry. Entries already on disk are only touched (tail first)."""
         assert len(keys) == len(objs)
+        self._maybe_regrow()  # also here: a tier shrunk below one entry queues no writes to check it
         booked: list[_PendingWrite] = []
         victims: list[DiskEntry] = []
         with self._lock:
@@ -705,7 +706,8 @@ class LocalDiskBackend(StorageBackend):
 
     def _maybe_regrow(self) -> None:
         """While the capacity is lowered, grow it back (up to the configured size) as
-        the filesystem frees up; checked at most every few seconds."""
+        the filesystem frees up; checked at most every few seconds (one statvfs), on
+        submits and before writes."""
         lowered = self._lowered_at
         if lowered is None or time.monotonic() - lowered < _REGROW_INTERVAL:
             return
