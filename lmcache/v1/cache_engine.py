@@ -11,38 +11,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector.copy_ops import first_negative_slot
 from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.request import (
+    COPY_ARG_NAMES,
+    KEY_EXTRA_NAMES,
+    KeyExtras,
+    TransferRequest,
+    mask_start,
+    reject_unknown,
+    tokens_to_array,
+)
 from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan, TokenInput
 
 logger = logging.getLogger(__name__)
 
-_KEY_EXTRAS = ("cache_salt", "request_configs", "extra_keys")
-
-
-@dataclass(frozen=True, slots=True)
-class _Request:
-    """A call's arguments split into key extras and connector arguments."""
-
-    key_extras: dict[str, Any]
-    copy_args: dict[str, Any]
-
-
-def _split_kwargs(kwargs: dict[str, Any]) -> _Request:
-    extras = {k: kwargs[k] for k in _KEY_EXTRAS if kwargs.get(k) is not None}
-    copy_args = {k: v for k, v in kwargs.items() if k not in _KEY_EXTRAS}
-    return _Request(extras, copy_args)
+_KEY_ARGS = KEY_EXTRA_NAMES
+_COPY_ARGS = KEY_EXTRA_NAMES + COPY_ARG_NAMES
+_LAYER_ARGS = _COPY_ARGS + ("sync",)
 
 
 class LMCacheEngine:
@@ -52,9 +47,13 @@ class LMCacheEngine:
     ``store``/``retrieve`` run on the worker thread; tiers are thread-safe.
 
     Keyword arguments of ``store``/``retrieve``: ``kvcaches`` (list of per-layer
-    tensors) and ``slot_mapping`` (tensor, one slot per token; negative = skip) go to the
-    GPU connector; ``cache_salt``, ``request_configs`` and ``extra_keys`` are folded into
-    the chunk keys (also accepted by ``lookup``).
+    tensors, default: the connector's registered ones) and ``slot_mapping`` (1-D
+    int32/int64 tensor, one slot per token; negative = no slot) go to the GPU
+    connector; ``cache_salt``, ``request_configs`` and ``extra_keys`` are folded into
+    the chunk keys (the only keyword arguments of ``lookup``/``lookup_unpin``/``keys``).
+    Every public method validates its arguments once, into a
+    :class:`~lmcache.v1.request.TransferRequest`, and raises TypeError/ValueError on bad
+    input (unknown keyword arguments included) before touching any tier.
     """
 
     def __init__(
@@ -83,9 +82,29 @@ class LMCacheEngine:
 
         return HiddenStateStore(self.config, self.token_database, self.storage_manager)
 
-    # ------------------------------------------------------------------ helpers
-    def _spans(self, tokens: TokenInput, mask, extras: dict[str, Any]) -> list[ChunkSpan]:
-        return self.token_database.spans(tokens, mask, **extras)
+    # ------------------------------------------------------------------ requests
+    def _key_request(self, where: str, tokens: TokenInput, kwargs: dict[str, Any]) -> TransferRequest:
+        reject_unknown(kwargs, _KEY_ARGS, where)
+        return TransferRequest(tokens_to_array(tokens), 0, KeyExtras.from_kwargs(kwargs))
+
+    def _copy_request(
+        self, where: str, tokens: TokenInput, mask: object, kwargs: dict[str, Any], allowed: tuple[str, ...]
+    ) -> TransferRequest:
+        """Validate a store/retrieve call once: tokens, mask, extras, KV tensors and slots."""
+        reject_unknown(kwargs, allowed, where)
+        arr = tokens_to_array(tokens)
+        first = mask_start(mask, arr.shape[0], self.token_database.chunk_size)
+        extras = KeyExtras.from_kwargs(kwargs)
+        kv = self._connector().bind(
+            arr.shape[0],
+            kvcaches=kwargs.get("kvcaches"),
+            slot_mapping=kwargs.get("slot_mapping"),
+            sync=kwargs.get("sync", True),
+        )
+        return TransferRequest(arr, first, extras, kv)
+
+    def _spans(self, req: TransferRequest) -> list[ChunkSpan]:
+        return self.token_database.spans_of(req.tokens, req.mask_start, req.extras)
 
     def _connector(self) -> GPUConnectorInterface:
         if self.gpu_connector is None:
@@ -106,15 +125,16 @@ class LMCacheEngine:
         if self.config.use_layerwise:
             from lmcache.v1.layerwise import store_all
 
-            return store_all(self, tokens, mask, **kwargs)
-        req = _split_kwargs(kwargs)
-        spans = self._spans(tokens, mask, req.key_extras)
+            return store_all(self, self._copy_request("store", tokens, mask, kwargs, _COPY_ARGS))
+        req = self._copy_request("store", tokens, mask, kwargs, _COPY_ARGS)
+        kv = req.kv
+        assert kv is not None
+        spans = self._spans(req)
         self.stats.add(store_requests=1)
         if not spans:
             return 0
         connector = self._connector()
-        limit = first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
-        spans = [s for s in spans if s.end <= limit]
+        spans = [s for s in spans if s.end <= kv.first_unmapped]
         # one batched lookup (one round trip for remote tiers): skip the cached prefix
         cached = self.storage_manager.batched_contains([s.key for s in spans])
         todo = [s for s in spans[cached:] if not self.storage_manager.is_resident(s.key)]
@@ -132,7 +152,7 @@ class LMCacheEngine:
         if not objs:
             return 0
         try:
-            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], **req.copy_args)
+            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)
             self.storage_manager.batched_put([s.key for s in todo], objs)
         finally:
             for obj in objs:
@@ -145,19 +165,18 @@ class LMCacheEngine:
     def retrieve(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """Write cached KV for the longest cached prefix of ``tokens`` into the paged cache.
 
-        Returns a CPU bool tensor, True where KV was written back. Chunks where
-        ``mask`` is False are neither read nor written.
+        Returns a CPU bool tensor, True where KV was written back: tokens of the
+        retrieved chunks that have a slot (a token whose slot is negative gets nothing
+        and stays False). Chunks where ``mask`` is False are neither read nor written.
         """
         if self.config.use_layerwise:
             from lmcache.v1.layerwise import retrieve_all
 
-            return retrieve_all(self, tokens, mask, **kwargs)
-        req = _split_kwargs(kwargs)
-        n = len(tokens)
-        ret = torch.zeros(n, dtype=torch.bool)
-        spans = self._spans(tokens, mask, req.key_extras)
-        requested = n - (int((~torch.as_tensor(mask, dtype=torch.bool)).sum()) if mask is not None else 0)
-        self.stats.add(retrieve_requests=1, requested_tokens=requested)
+            return retrieve_all(self, self._copy_request("retrieve", tokens, mask, kwargs, _COPY_ARGS))
+        req = self._copy_request("retrieve", tokens, mask, kwargs, _COPY_ARGS)
+        ret = torch.zeros(req.num_tokens, dtype=torch.bool)
+        spans = self._spans(req)
+        self.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
         if not spans:
             return ret
         objs = self.storage_manager.batched_get([s.key for s in spans])
@@ -165,9 +184,8 @@ class LMCacheEngine:
         spans = spans[: len(hits)]
         try:
             if hits:
-                self._connector().batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], **req.copy_args)
-                for s in spans:
-                    ret[s.start : s.end] = True
+                self._connector().batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)
+                req.mark_written(ret, spans[0].start, spans[-1].end)
         finally:
             for obj in hits:
                 obj.ref_count_down()
@@ -179,7 +197,10 @@ class LMCacheEngine:
         """Number of leading tokens whose KV is cached (a multiple of chunk_size unless
         the last chunk is partial). ``pin=True`` keeps those L1 entries from eviction
         until :meth:`lookup_unpin`."""
-        spans = self._spans(tokens, None, _split_kwargs(kwargs).key_extras)
+        if not isinstance(pin, bool):
+            raise TypeError(f"pin={pin!r}: expected a bool")
+        req = self._key_request("lookup", tokens, kwargs)
+        spans = self._spans(req)
         if self.config.use_layerwise:
             from lmcache.v1.layerwise import contains_prefix
 
@@ -187,12 +208,12 @@ class LMCacheEngine:
         else:
             found = self.storage_manager.batched_contains([s.key for s in spans], pin=pin)
         hit = spans[found - 1].end if found else 0
-        self.stats.add(lookup_requests=1, lookup_tokens=len(tokens), lookup_hit_tokens=hit)
+        self.stats.add(lookup_requests=1, lookup_tokens=req.num_tokens, lookup_hit_tokens=hit)
         return hit
 
     def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:
         """Undo the pins of a ``lookup(tokens, pin=True)`` with the same key extras."""
-        spans = self._spans(tokens, None, _split_kwargs(kwargs).key_extras)
+        spans = self._spans(self._key_request("lookup_unpin", tokens, kwargs))
         if self.config.use_layerwise:
             from lmcache.v1.layerwise import unpin_all
 
@@ -204,22 +225,24 @@ class LMCacheEngine:
     # ------------------------------------------------------------------ layerwise
     def store_layer(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> Iterator[None]:
         """Layerwise store generator (num_layers + 1 ``next()`` calls); see :mod:`lmcache.v1.layerwise`."""
-        from lmcache.v1.layerwise import store_layer
+        from lmcache.v1.layerwise import layerwise_connector, store_layer
 
-        return store_layer(self, tokens, mask, **kwargs)
+        layerwise_connector(self)
+        return store_layer(self, self._copy_request("store_layer", tokens, mask, kwargs, _LAYER_ARGS))
 
     def retrieve_layer(
         self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
     ) -> Iterator[torch.Tensor | None]:
         """Layerwise retrieve generator (num_layers + 2 yields); see :mod:`lmcache.v1.layerwise`."""
-        from lmcache.v1.layerwise import retrieve_layer
+        from lmcache.v1.layerwise import layerwise_connector, retrieve_layer
 
-        return retrieve_layer(self, tokens, mask, **kwargs)
+        layerwise_connector(self)
+        return retrieve_layer(self, self._copy_request("retrieve_layer", tokens, mask, kwargs, _LAYER_ARGS))
 
     # ------------------------------------------------------------------ misc
     def keys(self, tokens: TokenInput, **kwargs: Any) -> list[CacheEngineKey]:
         """The chunk keys of ``tokens`` (no mask)."""
-        return [s.key for s in self._spans(tokens, None, _split_kwargs(kwargs).key_extras)]
+        return [s.key for s in self._spans(self._key_request("keys", tokens, kwargs))]
 
     def close(self) -> None:
         """Stop background work and free memory. Idempotent."""

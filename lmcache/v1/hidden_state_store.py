@@ -61,6 +61,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.cache_policy import make_policy
+from lmcache.v1.request import KeyExtras
 from lmcache.v1.token_database import ChunkSpan, TokenInput, tokens_to_array
 
 if TYPE_CHECKING:
@@ -185,14 +186,14 @@ class HiddenStateStore:
         tokens = tokens_to_array(token_ids)
         n = int(tokens.shape[0])
         rows = self._check_store_args(n, hidden_states, layer_idx, token_offset)
+        extras = KeyExtras.build(cache_salt, request_configs, extra_keys)
         if self.allowed_layers is not None and layer_idx not in self.allowed_layers:
             logger.debug("hidden states: layer_idx=%d not in hidden_state_layers=%s; not stored",
                          layer_idx, self._allowed_text)
             return 0
         if rows.shape[0] == 0 or self._closed:
             return 0
-        extras = _key_extras(cache_salt, request_configs, extra_keys)
-        spans = self.token_database.spans(tokens, include_partial=True, **extras)
+        spans = self.token_database.spans_of(tokens, 0, extras, include_partial=True)
         built: list[tuple[HSKey, MemoryObj]] = []
         consumed: HSKey | None = None
         try:
@@ -249,13 +250,13 @@ class HiddenStateStore:
         """
         tokens = tokens_to_array(token_ids)
         _check_layer_type(layer_idx)
+        extras = KeyExtras.build(cache_salt, request_configs, extra_keys)
         self.stats.add(retrieve_requests=1)
         if self._closed or (self.allowed_layers is not None and layer_idx not in self.allowed_layers):
             return None
-        extras = _key_extras(cache_salt, request_configs, extra_keys)
         hits: list[tuple[HSKey, MemoryObj]] = []
         try:
-            for span in self.token_database.spans(tokens, **extras):
+            for span in self.token_database.spans_of(tokens, 0, extras):
                 key = HSKey(span.key, layer_idx)
                 obj = self._acquire(key)
                 if obj is None:
@@ -362,10 +363,10 @@ class HiddenStateStore:
 
     # ------------------------------------------------------------------ internals
     def _head_key(
-        self, tokens: np.ndarray, token_offset: int, span: ChunkSpan, layer_idx: int, extras: dict[str, object]
+        self, tokens: np.ndarray, token_offset: int, span: ChunkSpan, layer_idx: int, extras: KeyExtras
     ) -> HSKey:
         """Key of the partial chunk ``tokens[span.start:token_offset]`` (the earlier rows of ``span``)."""
-        head = self.token_database.spans(tokens[:token_offset], include_partial=True, **extras)[-1]
+        head = self.token_database.spans_of(tokens[:token_offset], 0, extras, include_partial=True)[-1]
         assert head.start == span.start and head.end == token_offset
         return HSKey(head.key, layer_idx)
 
@@ -515,16 +516,3 @@ def _check_layer_type(layer_idx: object) -> None:
         raise TypeError(f"layer_idx={layer_idx!r}: expected a non-negative int")
     if layer_idx < 0:
         raise ValueError(f"layer_idx={layer_idx}: expected a non-negative int")
-
-
-def _key_extras(
-    cache_salt: str | None, request_configs: Mapping[str, object] | None, extra_keys: Sequence[str] | None
-) -> dict[str, object]:
-    extras: dict[str, object] = {}
-    if cache_salt is not None:
-        extras["cache_salt"] = cache_salt
-    if request_configs is not None:
-        extras["request_configs"] = request_configs
-    if extra_keys is not None:
-        extras["extra_keys"] = extra_keys
-    return extras

@@ -48,16 +48,16 @@ import functools
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
-from lmcache.v1.gpu_connector.copy_ops import first_negative_slot
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache.v1.token_database import ChunkSpan, TokenInput
+from lmcache.v1.request import TransferRequest
+from lmcache.v1.token_database import ChunkSpan
 
 if TYPE_CHECKING:
     from lmcache.v1.cache_engine import LMCacheEngine
@@ -136,7 +136,8 @@ def _release_when_done(fut: Future) -> None:
     fut.add_done_callback(_drop)
 
 
-def _layerwise_connector(engine: LMCacheEngine) -> LayerwiseGPUConnector:
+def layerwise_connector(engine: LMCacheEngine) -> LayerwiseGPUConnector:
+    """The engine's connector if it is a layerwise one matching the metadata; ValueError otherwise."""
     connector = engine.gpu_connector
     if not isinstance(connector, LayerwiseGPUConnector):
         raise ValueError(
@@ -177,39 +178,33 @@ class _StoreState:
             _release(layer_objs)
 
 
-def store_layer(
-    engine: LMCacheEngine,
-    tokens: TokenInput,
-    mask: torch.Tensor | None = None,
-    *,
-    outcome: StoreOutcome | None = None,
-    **kwargs: Any,
-) -> Iterator[None]:
+def store_layer(engine: LMCacheEngine, req: TransferRequest, *, outcome: StoreOutcome | None = None) -> Iterator[None]:
     """Layerwise store generator: exactly ``num_layers + 1`` ``next()`` calls (module docstring).
 
-    kwargs as for ``LMCacheEngine.store`` plus ``sync`` (True for the first request of
-    a batch on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). Chunks already
-    cached for every layer, and chunks at or after the first negative slot, are not
-    stored. ``outcome``, if given, receives the number of stored tokens. The connector
-    is checked here; everything else happens in the ``next()`` calls.
+    ``req`` is the validated call (``LMCacheEngine.store_layer`` builds it; its
+    ``kv.sync`` is True for the first request of a batch on CUDA, see
+    :mod:`lmcache.v1.gpu_connector.layerwise`). Chunks already cached for every layer,
+    and chunks at or after the first negative slot, are not stored. ``outcome``, if
+    given, receives the number of stored tokens. The connector is checked here;
+    everything else happens in the ``next()`` calls.
     """
-    from lmcache.v1.cache_engine import _split_kwargs
-
-    connector = _layerwise_connector(engine)
-    return _store_steps(engine, connector, tokens, mask, _split_kwargs(kwargs), outcome or StoreOutcome())
+    connector = layerwise_connector(engine)
+    return _store_steps(engine, connector, req, outcome or StoreOutcome())
 
 
-def _store_steps(engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens, mask, req, outcome) -> Iterator[None]:
+def _store_steps(
+    engine: LMCacheEngine, connector: LayerwiseGPUConnector, req: TransferRequest, outcome: StoreOutcome
+) -> Iterator[None]:
     num_layers = engine.metadata.num_layers
     sm = engine.storage_manager
     state = _StoreState()
     try:
         # ---- call 0: plan, allocate every (chunk, layer) upfront, copy layer 0
-        spans: list[ChunkSpan] = engine.token_database.spans(tokens, mask, **req.key_extras)
+        kv = req.kv
+        assert kv is not None
+        spans: list[ChunkSpan] = engine.token_database.spans_of(req.tokens, req.mask_start, req.extras)
         engine.stats.add(store_requests=1)
-        if spans:
-            limit = first_negative_slot(req.copy_args.get("slot_mapping"), spans[-1].end)
-            spans = [s for s in spans if s.end <= limit]
+        spans = [s for s in spans if s.end <= kv.first_unmapped]
         keys = layer_keys([s.key for s in spans], num_layers)
         todo = [j for j in range(len(spans)) if not all(sm.contains(keys[layer][j]) for layer in range(num_layers))]
         todo = _allocate(engine, connector, spans, todo, state)
@@ -217,9 +212,7 @@ def _store_steps(engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens
         keys = [[layer_list[j] for j in todo] for layer_list in keys]
         copier = None
         if spans:
-            copier = connector.batched_from_gpu(
-                state.objs, [s.start for s in spans], [s.end for s in spans], **req.copy_args
-            )
+            copier = connector.batched_from_gpu(state.objs, [s.start for s in spans], [s.end for s in spans], kv)
         published = 0  # layers [0, published) are in storage
         for _layer in range(num_layers):
             if copier is not None:
@@ -274,10 +267,10 @@ def _allocate(
     return todo
 
 
-def store_all(engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
+def store_all(engine: LMCacheEngine, req: TransferRequest) -> int:
     """Run a whole layerwise store (``LMCacheEngine.store`` when ``use_layerwise``); stored tokens."""
     outcome = StoreOutcome()
-    for _ in store_layer(engine, tokens, mask, outcome=outcome, **kwargs):
+    for _ in store_layer(engine, req, outcome=outcome):
         pass
     return outcome.stored_tokens
 
@@ -317,20 +310,17 @@ class _RetrieveState:
         self.pinned = []
 
 
-def retrieve_layer(
-    engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
-) -> Iterator[torch.Tensor | None]:
+def retrieve_layer(engine: LMCacheEngine, req: TransferRequest) -> Iterator[torch.Tensor | None]:
     """Layerwise retrieve generator: exactly ``num_layers + 2`` ``next()`` calls (module docstring).
 
-    kwargs as for ``LMCacheEngine.retrieve`` plus ``sync`` (True for the last request
-    of a batch on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). The first
-    ``num_layers + 1`` calls return None, the last the retrieved-token mask (CPU bool,
-    ``len(tokens)``). Chunks where ``mask`` is False are neither read nor written.
+    ``req`` is the validated call (``kv.sync`` is True for the last request of a batch
+    on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). The first ``num_layers +
+    1`` calls return None, the last the retrieved-token mask (CPU bool,
+    ``len(tokens)``, True only for tokens with a slot). Chunks where ``mask`` is False
+    are neither read nor written.
     """
-    from lmcache.v1.cache_engine import _split_kwargs
-
-    connector = _layerwise_connector(engine)
-    return _retrieve_steps(engine, connector, tokens, mask, _split_kwargs(kwargs))
+    connector = layerwise_connector(engine)
+    return _retrieve_steps(engine, connector, req)
 
 
 def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
@@ -347,7 +337,7 @@ def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKe
 
 
 def _retrieve_steps(
-    engine: LMCacheEngine, connector: LayerwiseGPUConnector, tokens, mask, req
+    engine: LMCacheEngine, connector: LayerwiseGPUConnector, req: TransferRequest
 ) -> Iterator[torch.Tensor | None]:
     num_layers = engine.metadata.num_layers
     sm = engine.storage_manager
@@ -355,17 +345,15 @@ def _retrieve_steps(
     loader = None
     try:
         # ---- call 0: setup
-        n = len(tokens)
-        ret = torch.zeros(n, dtype=torch.bool)
-        spans: list[ChunkSpan] = engine.token_database.spans(tokens, mask, **req.key_extras)
-        requested = n - (int((~torch.as_tensor(mask, dtype=torch.bool)).sum()) if mask is not None else 0)
-        engine.stats.add(retrieve_requests=1, requested_tokens=requested)
+        ret = torch.zeros(req.num_tokens, dtype=torch.bool)
+        spans: list[ChunkSpan] = engine.token_database.spans_of(req.tokens, req.mask_start, req.extras)
+        engine.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
         keys = layer_keys([s.key for s in spans], num_layers)
         hit = _pin_prefix(sm, keys, state) if spans else 0
         spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
         reads = None
         if hit:
-            loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], **req.copy_args)
+            loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
             next(loader)
             reads = sm.layerwise_batched_get(keys)
             state.inflight = next(reads)
@@ -394,8 +382,8 @@ def _retrieve_steps(
         if loader is not None:
             next(loader)
         state.release(sm)
-        for s in spans[:hit]:
-            ret[s.start : s.end] = True
+        if hit:
+            req.mark_written(ret, spans[0].start, spans[hit - 1].end)
         _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
         engine.stats.add(hit_tokens=int(ret.sum()))
         yield ret
@@ -418,12 +406,10 @@ def _report_shortfall(engine: LMCacheEngine, layer: int, expected: int, got: int
         )
 
 
-def retrieve_all(
-    engine: LMCacheEngine, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
-) -> torch.Tensor:
+def retrieve_all(engine: LMCacheEngine, req: TransferRequest) -> torch.Tensor:
     """Run a whole layerwise retrieve (``LMCacheEngine.retrieve`` when ``use_layerwise``); the mask."""
     result = None
-    for result in retrieve_layer(engine, tokens, mask, **kwargs):
+    for result in retrieve_layer(engine, req):
         pass
     assert isinstance(result, torch.Tensor)
     return result

@@ -450,14 +450,13 @@ def test_closing_a_retrieve_midway_unpins_and_releases():
 def test_bad_arguments_raise_and_leak_nothing():
     spec = KVSpec(num_layers=3)
     engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
-    gen = engine.store_layer(tokens, slot_mapping=slots)  # no kvcaches
+    # issue 13: arguments are validated when the call is made, before any generator step
     with pytest.raises(ValueError, match="kvcaches"):
-        next(gen)
+        engine.store_layer(tokens, slot_mapping=slots)  # no kvcaches
     assert engine.storage_manager.allocator.used_bytes == 0
     engine.store(tokens, kvcaches=kv, slot_mapping=slots)
-    gen = engine.retrieve_layer(tokens, kvcaches=kv[:2], slot_mapping=slots)  # a layer short
     with pytest.raises(ValueError, match="kvcaches"):
-        next(gen)
+        engine.retrieve_layer(tokens, kvcaches=kv[:2], slot_mapping=slots)  # a layer short
     resident_ok(engine)  # pins taken by the setup were undone
     engine.close()
 

@@ -42,17 +42,6 @@ def native_enabled() -> bool:
     return os.environ.get("LMCACHE_USE_NATIVE", "1") not in ("0", "false", "False") and native.load() is not None
 
 
-def first_negative_slot(slot_mapping: object, n: int) -> int:
-    """Index of the first negative slot among the first ``n`` tokens, or ``n``.
-
-    A store stops there: the KV of a token without a slot is not in the paged cache.
-    """
-    if not isinstance(slot_mapping, torch.Tensor):
-        return n
-    neg = (slot_mapping[:n] < 0).nonzero()
-    return int(neg[0, 0]) if neg.numel() else n
-
-
 def _as_int(t: torch.Tensor) -> torch.Tensor:
     """Bit-identical integer view (torch lacks index kernels for some float types, e.g. fp8)."""
     return t.view(_INT_OF_SIZE[t.element_size()])

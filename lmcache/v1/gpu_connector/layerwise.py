@@ -48,6 +48,7 @@ from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
 from lmcache.v1.gpu_connector.paged import PagedKVBase, VLLMPagedMemGPUConnectorV2
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.request import PagedKV
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +162,7 @@ class LayerwiseGPUConnector(PagedKVBase):
         objs_per_layer: Sequence[Sequence[MemoryObj]],
         starts: Sequence[int],
         ends: Sequence[int],
+        kv: PagedKV | None = None,
         **kwargs: Any,
     ) -> StoreGenerator:
         """Store generator: the ``i``-th ``next()`` copies layer ``i`` into ``objs_per_layer[i]``.
@@ -176,9 +178,10 @@ class LayerwiseGPUConnector(PagedKVBase):
         for layer, objs in enumerate(objs_per_layer):
             if len(objs) != len(starts):
                 raise ValueError(f"objs_per_layer[{layer}]: expected {len(starts)} objects, got {len(objs)}")
-        kvcaches, slots, geom = self._kv_and_slots(kwargs)
-        sync = bool(kwargs.get("sync", True))
-        return self._from_gpu_steps(kvcaches, slots, geom, objs_per_layer, list(starts), list(ends), sync)
+        kv = self._bound(kv, ends, kwargs)
+        return self._from_gpu_steps(
+            list(kv.kvcaches), kv.slot_mapping, kv.geometry, objs_per_layer, list(starts), list(ends), kv.sync
+        )
 
     def _from_gpu_steps(self, kvcaches, slots, geom, objs_per_layer, starts, ends, sync) -> StoreGenerator:
         stream = self._stream_of(self.store_stream, kvcaches[0])
@@ -192,7 +195,9 @@ class LayerwiseGPUConnector(PagedKVBase):
                 stream, layer, lambda: self._gather_layer(kvcaches[layer], geom, slots, starts, ends, objs)
             )
 
-    def batched_to_gpu(self, starts: Sequence[int], ends: Sequence[int], **kwargs: Any) -> LoadGenerator:
+    def batched_to_gpu(
+        self, starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
+    ) -> LoadGenerator:
         """Load generator, ``num_layers + 2`` steps, objects handed in per layer.
 
         Protocol::
@@ -209,9 +214,8 @@ class LayerwiseGPUConnector(PagedKVBase):
         until the layer's handle is done.
         """
         _check_spans(starts, ends)
-        kvcaches, slots, geom = self._kv_and_slots(kwargs)
-        sync = bool(kwargs.get("sync", True))
-        return self._to_gpu_steps(kvcaches, slots, geom, list(starts), list(ends), sync)
+        kv = self._bound(kv, ends, kwargs)
+        return self._to_gpu_steps(list(kv.kvcaches), kv.slot_mapping, kv.geometry, list(starts), list(ends), kv.sync)
 
     def _to_gpu_steps(self, kvcaches, slots, geom, starts, ends, sync) -> LoadGenerator:
         stream = self._stream_of(self.load_stream, kvcaches[0])

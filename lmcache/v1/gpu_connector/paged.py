@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 import torch
 
 from lmcache.v1.gpu_connector import copy_ops
-from lmcache.v1.gpu_connector.layouts import KVLayout, PagedGeometry, detect_layout, get_layout
+from lmcache.v1.gpu_connector.layouts import KVLayout, get_layout
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.request import (
+    KVSpec,
+    PagedKV,
+    _GeometryCache,
+    check_kv_layers,
+    check_slot_mapping,
+    kv_geometry,
+    reject_unknown,
+)
 
 
 class GPUConnectorInterface(ABC):
@@ -29,18 +39,22 @@ class GPUConnectorInterface(ABC):
         """Shape of the MemoryObj holding ``num_tokens`` tokens."""
 
     @abstractmethod
-    def batched_from_gpu(self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any) -> None:
-        """Paged KV -> objs (store). kwargs: ``kvcaches``, ``slot_mapping``."""
+    def batched_from_gpu(
+        self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
+    ) -> None:
+        """Paged KV -> objs (store). ``kv`` from :meth:`bind`, or kwargs ``kvcaches``, ``slot_mapping``."""
 
     @abstractmethod
-    def batched_to_gpu(self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], **kwargs: Any) -> None:
-        """objs -> paged KV (retrieve). kwargs: ``kvcaches``, ``slot_mapping``."""
+    def batched_to_gpu(
+        self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
+    ) -> None:
+        """objs -> paged KV (retrieve). ``kv`` from :meth:`bind`, or kwargs ``kvcaches``, ``slot_mapping``."""
 
-    def from_gpu(self, obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self.batched_from_gpu([obj], [start], [end], **kwargs)
+    def from_gpu(self, obj: MemoryObj, start: int, end: int, kv: PagedKV | None = None, **kwargs: Any) -> None:
+        self.batched_from_gpu([obj], [start], [end], kv, **kwargs)
 
-    def to_gpu(self, obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
-        self.batched_to_gpu([obj], [start], [end], **kwargs)
+    def to_gpu(self, obj: MemoryObj, start: int, end: int, kv: PagedKV | None = None, **kwargs: Any) -> None:
+        self.batched_to_gpu([obj], [start], [end], kv, **kwargs)
 
 
 class PagedKVBase:
@@ -82,46 +96,65 @@ class PagedKVBase:
         self.use_mla = use_mla
         self.num_kv = 1 if use_mla else 2
         self._layout: KVLayout | None = get_layout(layout) if layout is not None else None
-        self._geom_cache: tuple[tuple[int, ...], tuple[int, ...], PagedGeometry] | None = None
+        self._geom_cache = _GeometryCache()
+        self._spec = KVSpec(num_layers, hidden_dim_size, self.num_kv, dtype, use_mla, self._layout)
         self.kvcaches: list[torch.Tensor] | None = None
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.load_stream = torch.cuda.Stream(device=self.device) if cuda else None
         self.store_stream = torch.cuda.Stream(device=self.device) if cuda else None
 
     def register_kv_caches(self, kvcaches: Sequence[torch.Tensor]) -> None:
-        """Remember the engine's per-layer KV tensors (used when kwargs carry none)."""
-        self.kvcaches = list(kvcaches)
-
-    def _kv_and_slots(self, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor, PagedGeometry]:
-        kvcaches = kwargs.get("kvcaches", self.kvcaches)
-        if kvcaches is None:
-            raise ValueError("kvcaches: missing (pass kvcaches= or call register_kv_caches first)")
-        kvcaches = list(kvcaches)
-        if len(kvcaches) != self.num_layers:
-            raise ValueError(f"kvcaches: expected {self.num_layers} layer tensors, got {len(kvcaches)}")
-        slot_mapping = kwargs.get("slot_mapping")
-        if not isinstance(slot_mapping, torch.Tensor):
-            raise ValueError("slot_mapping: expected a 1-D integer tensor")
-        first = kvcaches[0]
+        """Remember the engine's per-layer KV tensors (used when a call passes none). Validated here."""
+        layers = check_kv_layers(kvcaches, self._spec)
         if self.dtype is None:
-            self.dtype = first.dtype  # adopted from the first KV seen (dtype=None at construction)
-        if first.dtype != self.dtype:
-            raise ValueError(f"kvcaches: dtype {first.dtype} does not match the connector dtype {self.dtype}")
-        cached = self._geom_cache
-        if cached is not None and cached[0] == tuple(first.shape) and cached[1] == tuple(first.stride()):
-            geom = cached[2]
-        else:
-            layout = self._layout or detect_layout(first, use_mla=self.use_mla)
-            geom = layout.geometry(first)
-            if geom.hidden != self.hidden_dim_size or len(geom.components) != self.num_kv:
-                raise ValueError(
-                    f"kvcaches: layer shape {tuple(first.shape)} gives hidden={geom.hidden} and "
-                    f"{len(geom.components)} component(s); expected hidden={self.hidden_dim_size}, {self.num_kv}"
-                )
-            self._geom_cache = (tuple(first.shape), tuple(first.stride()), geom)
-        if slot_mapping.device != first.device:
-            slot_mapping = slot_mapping.to(first.device)
-        return kvcaches, slot_mapping, geom
+            self.dtype = layers[0].dtype
+            self._spec = dataclasses.replace(self._spec, dtype=self.dtype)
+        kv_geometry(layers[0], self._spec, self._geom_cache)
+        self.kvcaches = list(layers)
+
+    @property
+    def kv_spec(self) -> KVSpec:
+        """What every layer tensor must look like."""
+        return self._spec
+
+    def bind(
+        self,
+        num_tokens: int,
+        *,
+        kvcaches: Sequence[torch.Tensor] | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        sync: bool = True,
+    ) -> PagedKV:
+        """Validate one call's paged KV tensors and slot mapping (for ``num_tokens`` tokens).
+
+        ``kvcaches`` defaults to the tensors given to :meth:`register_kv_caches`. Every
+        layer is checked (rank, shape, strides, dtype, device) against the layout and
+        layer 0; every slot among the first ``num_tokens`` must be int32/int64 and
+        inside the paged cache. Raises TypeError/ValueError.
+        """
+        if kvcaches is None:
+            kvcaches = self.kvcaches
+            if kvcaches is None:
+                raise ValueError("kvcaches: missing (pass kvcaches= or call register_kv_caches first)")
+        if not isinstance(sync, bool):
+            raise TypeError(f"sync={sync!r}: expected a bool")
+        layers = check_kv_layers(kvcaches, self._spec)
+        if self.dtype is None:  # adopted from the first KV seen (dtype=None at construction)
+            self.dtype = layers[0].dtype
+            self._spec = dataclasses.replace(self._spec, dtype=self.dtype)
+        spec = self._spec
+        geom = kv_geometry(layers[0], spec, self._geom_cache)
+        slots, first_neg = check_slot_mapping(slot_mapping, num_tokens, geom.num_blocks * geom.block_size, layers[0].device)
+        return PagedKV(layers, slots, geom, first_neg, sync)
+
+    def _bound(self, kv: PagedKV | None, ends: Sequence[int], kwargs: dict[str, Any]) -> PagedKV:
+        """``kv`` when the engine built it, else one built from a direct call's keyword arguments."""
+        if kv is not None:
+            if kwargs:
+                raise TypeError(f"unexpected keyword arguments {sorted(kwargs)} together with a bound PagedKV")
+            return kv
+        reject_unknown(kwargs, ("kvcaches", "slot_mapping", "sync"), type(self).__name__ + ".copy")
+        return self.bind(max(ends, default=0), **kwargs)
 
     @contextlib.contextmanager
     def _on_stream(self, stream: torch.cuda.Stream | None, kv_device: torch.device):
@@ -161,14 +194,14 @@ class VLLMPagedMemGPUConnectorV2(PagedKVBase, GPUConnectorInterface):
             views.append(t)
         return views
 
-    def batched_from_gpu(self, objs, starts, ends, **kwargs) -> None:
-        kvcaches, slots, geom = self._kv_and_slots(kwargs)
+    def batched_from_gpu(self, objs, starts, ends, kv=None, **kwargs) -> None:
+        kv = self._bound(kv, ends, kwargs)
         dsts = self._views(objs, starts, ends)
-        with self._on_stream(self.store_stream, kvcaches[0].device):
-            copy_ops.paged_gather(kvcaches, geom, slots, starts, dsts)
+        with self._on_stream(self.store_stream, kv.kvcaches[0].device):
+            copy_ops.paged_gather(kv.kvcaches, kv.geometry, kv.slot_mapping, starts, dsts)
 
-    def batched_to_gpu(self, objs, starts, ends, **kwargs) -> None:
-        kvcaches, slots, geom = self._kv_and_slots(kwargs)
+    def batched_to_gpu(self, objs, starts, ends, kv=None, **kwargs) -> None:
+        kv = self._bound(kv, ends, kwargs)
         srcs = self._views(objs, starts, ends)
-        with self._on_stream(self.load_stream, kvcaches[0].device):
-            copy_ops.paged_scatter(kvcaches, geom, slots, starts, srcs)
+        with self._on_stream(self.load_stream, kv.kvcaches[0].device):
+            copy_ops.paged_scatter(kv.kvcaches, kv.geometry, kv.slot_mapping, starts, srcs)

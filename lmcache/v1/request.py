@@ -1,0 +1,402 @@
+"""Typed requests: every public call's arguments, validated once.
+
+The public entry points (``LMCacheEngine.store/retrieve/lookup/lookup_unpin/
+store_layer/retrieve_layer/keys``, ``HiddenStateStore``, the GPU connectors) turn their
+arguments into the objects below; nothing under them looks at raw keyword arguments
+again, and nothing under them re-validates (the native kernels still bound-check their
+run ends as defence in depth).
+
+* :class:`KeyExtras` - what a request folds into its chunk keys besides the tokens:
+  ``cache_salt`` (tenant isolation), ``request_configs`` (name -> scalar) and
+  ``extra_keys`` (e.g. a LoRA name, multimodal hashes). :meth:`KeyExtras.encode` is
+  injective: two different extras never give the same bytes.
+* :class:`PagedKV` - the paged KV tensors of one call (every layer checked against the
+  layout and against each other) plus the slot mapping (int32/int64, inside every
+  layer's capacity). Built by a connector (:meth:`PagedKVBase.bind`), which knows the
+  layout, dtype and hidden size.
+* :class:`TransferRequest` - tokens (as int32), mask start, key extras and the
+  :class:`PagedKV` (None for lookups).
+
+Bad input raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value), naming the
+argument, the value and what was expected. Unknown keyword arguments raise TypeError.
+
+Thread-safety: the objects are immutable; building one has no side effects. Memory:
+a :class:`PagedKV` references the caller's tensors for the duration of the call only.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # layouts are imported lazily: gpu_connector itself imports this module
+    from lmcache.v1.gpu_connector.layouts import KVLayout, PagedGeometry
+
+TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+MaskInput = torch.Tensor | np.ndarray | Sequence[bool] | None
+
+KEY_EXTRA_NAMES = ("cache_salt", "request_configs", "extra_keys")
+COPY_ARG_NAMES = ("kvcaches", "slot_mapping")
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def reject_unknown(kwargs: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    """TypeError naming the first keyword argument of ``kwargs`` not in ``allowed``."""
+    for name in kwargs:
+        if name not in allowed:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r} (expected one of {', '.join(allowed)})")
+
+
+# ---------------------------------------------------------------------- key extras
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed bytes (8-byte little-endian length)."""
+    return struct.pack("<Q", len(data)) + data
+
+
+def _encode_scalar(value: object) -> bytes:
+    """Type-tagged, injective encoding of a request-config value."""
+    if value is None:
+        return b"n"
+    if isinstance(value, bool):
+        return b"b1" if value else b"b0"
+    if isinstance(value, int):
+        return b"i" + _lp(str(value).encode())
+    if isinstance(value, float):
+        return b"f" + struct.pack("<d", value)
+    assert isinstance(value, str), "validated by KeyExtras.build"
+    return b"s" + _lp(value.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(frozen=True, slots=True)
+class KeyExtras:
+    """What a request folds into its chunk keys besides the tokens (immutable, validated).
+
+    ``request_configs`` is kept sorted by name; ``config_strings`` is the
+    ``(name, str(value))`` form carried by :class:`~lmcache.utils.CacheEngineKey`.
+    An empty ``cache_salt`` means no salt.
+    """
+
+    cache_salt: str | None = None
+    request_configs: tuple[tuple[str, str | int | float | bool | None], ...] = ()
+    extra_keys: tuple[str | int, ...] = ()
+
+    @classmethod
+    def build(
+        cls,
+        cache_salt: object = None,
+        request_configs: object = None,
+        extra_keys: object = None,
+    ) -> KeyExtras:
+        """Validate raw values (``None`` = absent). Raises TypeError/ValueError."""
+        if cache_salt is None and request_configs is None and extra_keys is None:
+            return NO_EXTRAS
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt={_short(cache_salt)}: expected a str or None")
+        configs: tuple[tuple[str, Any], ...] = ()
+        if request_configs is not None:
+            if not isinstance(request_configs, Mapping):
+                raise TypeError(
+                    f"request_configs={_short(request_configs)}: expected a mapping of str to str/int/float/bool/None"
+                )
+            for name, value in request_configs.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"request_configs: key {_short(name)} is not a str")
+                if value is not None and not isinstance(value, (str, int, float, bool)):
+                    raise TypeError(
+                        f"request_configs[{name!r}]={_short(value)}: expected a str, int, float, bool or None"
+                    )
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ValueError(f"request_configs[{name!r}]={value!r}: expected a finite number")
+            configs = tuple(sorted(request_configs.items(), key=lambda kv: kv[0]))
+        keys: tuple[str | int, ...] = ()
+        if extra_keys is not None:
+            if isinstance(extra_keys, (str, bytes, bytearray)) or not isinstance(extra_keys, Sequence):
+                raise TypeError(
+                    f"extra_keys={_short(extra_keys)}: expected a list or tuple of str/int (a bare string would be "
+                    "split into characters)"
+                )
+            for i, item in enumerate(extra_keys):
+                if isinstance(item, bool) or not isinstance(item, (str, int)):
+                    raise TypeError(f"extra_keys[{i}]={_short(item)}: expected a str or int")
+            keys = tuple(extra_keys)
+        salt = cache_salt or None
+        if salt is None and not configs and not keys:
+            return NO_EXTRAS
+        return cls(salt, configs, keys)
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> KeyExtras:
+        """The extras among ``kwargs`` (other names are ignored here)."""
+        if not kwargs:
+            return NO_EXTRAS
+        return cls.build(kwargs.get("cache_salt"), kwargs.get("request_configs"), kwargs.get("extra_keys"))
+
+    @property
+    def config_strings(self) -> tuple[tuple[str, str], ...]:
+        return tuple((name, str(value)) for name, value in self.request_configs)
+
+    def encode(self) -> bytes:
+        """Injective byte encoding: each field tagged and length-prefixed, in a fixed order."""
+        if self is NO_EXTRAS or (self.cache_salt is None and not self.request_configs and not self.extra_keys):
+            return b""
+        out = [b"salt", _lp((self.cache_salt or "").encode("utf-8", "surrogatepass")) if self.cache_salt else b"-"]
+        out.append(b"cfg" + struct.pack("<Q", len(self.request_configs)))
+        for name, value in self.request_configs:
+            out.append(_lp(name.encode("utf-8", "surrogatepass")) + _encode_scalar(value))
+        out.append(b"xk" + struct.pack("<Q", len(self.extra_keys)))
+        for item in self.extra_keys:
+            out.append(_encode_scalar(item))
+        return b"".join(out)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """Keyword-argument form (for calls that take ``cache_salt=...`` etc.)."""
+        out: dict[str, Any] = {}
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        if self.request_configs:
+            out["request_configs"] = dict(self.request_configs)
+        if self.extra_keys:
+            out["extra_keys"] = list(self.extra_keys)
+        return out
+
+
+NO_EXTRAS = object.__new__(KeyExtras)
+object.__setattr__(NO_EXTRAS, "cache_salt", None)
+object.__setattr__(NO_EXTRAS, "request_configs", ())
+object.__setattr__(NO_EXTRAS, "extra_keys", ())
+
+
+# ---------------------------------------------------------------------- tokens and masks
+def tokens_to_array(tokens: object) -> np.ndarray:
+    """Token ids as a contiguous little-endian int32 array (no per-token Python loop).
+
+    Raises TypeError for something that is not a sequence/array/tensor of integers and
+    ValueError for integers outside int32 or a wrong rank.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens: expected a 1-D integer tensor, got shape {tuple(tokens.shape)} {tokens.dtype}")
+        arr = tokens.detach().to("cpu").numpy()
+    elif isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"tokens: expected a sequence, array or tensor of ints, got {type(tokens).__name__}")
+    elif not len(tokens):
+        arr = np.zeros(0, dtype=np.int32)
+    else:
+        if any(isinstance(t, bool) for t in tokens[:1]):
+            raise ValueError("tokens: expected integers, got bools")
+        try:
+            arr = np.asarray(tokens)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ValueError(f"tokens: expected a 1-D sequence of int32 integers ({exc})") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"tokens: expected a 1-D sequence of integers, got dtype {arr.dtype} ndim {arr.ndim}")
+    if arr.dtype != np.dtype("<i4"):
+        if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
+            raise ValueError("tokens: token ids must fit in int32")
+        arr = arr.astype("<i4")
+    return np.ascontiguousarray(arr)
+
+
+def mask_start(mask: MaskInput, n: int, chunk_size: int) -> int:
+    """Number of leading False entries of a False-prefix/True-suffix bool mask (validated).
+
+    ``None`` means all True. The mask must be bool (tensor, array or sequence of bools)
+    of shape ``(n,)``; its False prefix must be a multiple of ``chunk_size``.
+    """
+    if mask is None:
+        return 0
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
+        m = mask.detach().to("cpu").numpy()
+    elif isinstance(mask, np.ndarray):
+        m = mask
+    elif isinstance(mask, Sequence) and not isinstance(mask, (str, bytes, bytearray)):
+        if not all(isinstance(v, (bool, np.bool_)) for v in mask):
+            raise TypeError("mask: expected a sequence of bools")
+        m = np.asarray(mask, dtype=bool)
+    else:
+        raise TypeError(f"mask: expected a bool tensor, array or sequence, got {type(mask).__name__}")
+    if m.dtype != np.bool_ and m.size:
+        raise TypeError(f"mask: expected bool values, got dtype {m.dtype}")
+    if m.shape != (n,):
+        raise ValueError(f"mask: expected shape ({n},) to match tokens, got {tuple(m.shape)}")
+    m = m.astype(bool, copy=False)
+    num_false = int(n - np.count_nonzero(m))
+    if num_false and m[:num_false].any() or not m[num_false:].all():
+        raise ValueError("mask: expected a run of False followed only by True")
+    if num_false % chunk_size:
+        raise ValueError(
+            f"mask: the False prefix has {num_false} tokens; expected a multiple of chunk_size={chunk_size}"
+        )
+    return num_false
+
+
+# ---------------------------------------------------------------------- paged KV
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """What a connector expects of every layer tensor."""
+
+    num_layers: int
+    hidden: int
+    num_kv: int
+    dtype: torch.dtype | None  # None: any (the connector adopts the first one it sees)
+    use_mla: bool
+    layout: KVLayout | None  # None: detected from the rank
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """Validated paged KV tensors and slot mapping of one call.
+
+    Every layer has the same shape, strides, dtype and device (checked), so
+    ``geometry`` describes each of them; ``capacity`` (blocks x block size) bounds every
+    slot. ``slot_mapping`` is the caller's tensor moved to the KV device (int32 or
+    int64). ``first_unmapped`` is the index of the first negative slot (or its length).
+    """
+
+    kvcaches: tuple[torch.Tensor, ...]
+    slot_mapping: torch.Tensor
+    geometry: PagedGeometry
+    first_unmapped: int
+    sync: bool = True
+
+    @property
+    def capacity(self) -> int:
+        return self.geometry.num_blocks * self.geometry.block_size
+
+
+class _GeometryCache:
+    """Last (shape, strides) -> geometry, per connector (one layer shape per engine)."""
+
+    __slots__ = ("key", "geometry")
+
+    def __init__(self) -> None:
+        self.key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.geometry: PagedGeometry | None = None
+
+
+def check_kv_layers(kvcaches: object, spec: KVSpec) -> tuple[torch.Tensor, ...]:
+    """Validate per-layer KV tensors against ``spec`` and each other; returns them as a tuple."""
+    if isinstance(kvcaches, torch.Tensor) or not isinstance(kvcaches, Sequence):
+        raise TypeError(f"kvcaches: expected a list of per-layer tensors, got {type(kvcaches).__name__}")
+    layers = tuple(kvcaches)
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"kvcaches: expected {spec.num_layers} layer tensors, got {len(layers)}")
+    first = layers[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"kvcaches[0]: expected a torch.Tensor, got {type(first).__name__}")
+    shape, strides, dtype, device = first.shape, first.stride(), first.dtype, first.device
+    if spec.dtype is not None and dtype != spec.dtype:
+        raise TypeError(f"kvcaches[0]: dtype {dtype} does not match the connector dtype {spec.dtype}")
+    for i in range(1, len(layers)):
+        t = layers[i]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kvcaches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+        if t.shape != shape or t.dtype != dtype or t.device != device or t.stride() != strides:
+            raise ValueError(
+                f"kvcaches[{i}]: shape/strides/dtype/device {tuple(t.shape)}/{t.stride()}/{t.dtype}/{t.device} differ "
+                f"from layer 0 ({tuple(shape)}/{strides}/{dtype}/{device}); every layer must have the same layout"
+            )
+    return layers
+
+
+def kv_geometry(first: torch.Tensor, spec: KVSpec, cache: _GeometryCache | None = None) -> PagedGeometry:
+    """The geometry of a (validated) layer tensor under ``spec``'s layout, cached."""
+    key = (tuple(first.shape), first.stride())
+    if cache is not None and cache.key == key:
+        assert cache.geometry is not None
+        return cache.geometry
+    if any(st == 0 and n > 1 for n, st in zip(first.shape, first.stride())):
+        raise ValueError(f"kvcaches: layer strides {first.stride()} overlap (a zero stride); expected distinct elements")
+    if first.numel() == 0:
+        raise ValueError(f"kvcaches: layer shape {tuple(first.shape)} is empty")
+    from lmcache.v1.gpu_connector.layouts import detect_layout
+
+    layout = spec.layout or detect_layout(first, use_mla=spec.use_mla)
+    geom = layout.geometry(first)
+    if geom.hidden != spec.hidden or len(geom.components) != spec.num_kv:
+        raise ValueError(
+            f"kvcaches: layer shape {tuple(first.shape)} gives hidden={geom.hidden} and "
+            f"{len(geom.components)} component(s); expected hidden={spec.hidden}, {spec.num_kv}"
+        )
+    if cache is not None:
+        cache.key, cache.geometry = key, geom
+    return geom
+
+
+def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Validate a slot mapping for ``n`` tokens; returns (slots on ``device``, first negative index).
+
+    Must be a 1-D int32/int64 tensor with at least ``n`` entries; every one of the first
+    ``n`` slots must be < ``capacity`` (negative = the token has no slot: skipped).
+    """
+    if slot_mapping is None:
+        raise ValueError("slot_mapping: missing; expected a 1-D int32/int64 tensor with one slot per token")
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise TypeError(f"slot_mapping: expected a 1-D int32/int64 torch.Tensor, got {type(slot_mapping).__name__}")
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping: dtype {slot_mapping.dtype}; expected torch.int32 or torch.int64")
+    if slot_mapping.dim() != 1:
+        raise ValueError(f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}")
+    if slot_mapping.shape[0] < n:
+        raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries; expected at least {n} (one per token)")
+    head = slot_mapping[:n]
+    if n == 0:
+        return slot_mapping, 0
+    if head.device.type == "cpu":
+        arr = head.numpy()
+        top = int(arr.max())
+        neg = np.flatnonzero(arr < 0)
+        first_neg = int(neg[0]) if neg.size else n
+    else:
+        negs = head < 0
+        stats = torch.stack([head.max().to(torch.int64), torch.where(negs.any(), negs.int().argmax(), n).to(torch.int64)])
+        top, first_neg = stats.tolist()
+    if top >= capacity:
+        raise ValueError(f"slot_mapping: slot {top} is outside the paged cache (capacity {capacity} slots)")
+    if slot_mapping.device != device:
+        slot_mapping = slot_mapping.to(device)
+    return slot_mapping, first_neg
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass(frozen=True, slots=True)
+class TransferRequest:
+    """One validated engine call: tokens, mask start, key extras and (for copies) the paged KV."""
+
+    tokens: np.ndarray
+    mask_start: int
+    extras: KeyExtras
+    kv: PagedKV | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def requested_tokens(self) -> int:
+        return self.num_tokens - self.mask_start
+
+    def mark_written(self, ret: torch.Tensor, lo: int, hi: int) -> None:
+        """Set ``ret[lo:hi]`` True where KV was written: tokens that have a slot (>= 0)."""
+        kv = self.kv
+        assert kv is not None, "only copy requests write KV"
+        if kv.first_unmapped >= self.num_tokens:  # no negative slot at all
+            ret[lo:hi] = True
+        else:
+            ret[lo:hi] = (kv.slot_mapping[lo:hi] >= 0).to("cpu")
