@@ -553,9 +553,14 @@ void plan(Job& job) {
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
 }
 
-void build_runs(Job& job) {
+// Splits the chunks into runs and checks each run's block against the smallest layer (so every
+// layer holds it). Returns LMC_ERR_SLOT (error_info = {token index, slot}) before any copy.
+int build_runs(Job& job) {
   const LmcCopyArgs& a = *job.a;
   const int64_t bs = a.block_size;
+  int64_t blocks = a.num_blocks;
+  if (a.layer_blocks != nullptr)
+    for (int64_t l = 0; l < a.num_layers; ++l) blocks = std::min(blocks, a.layer_blocks[l]);
   job.run_begin.assign(static_cast<size_t>(a.num_chunks + 1), 0);
   for (int64_t k = 0; k < a.num_chunks; ++k) {
     job.run_begin[k] = static_cast<int64_t>(job.runs.size());
@@ -567,6 +572,10 @@ void build_runs(Job& job) {
         ++t;
         continue;
       }
+      if (slot / bs >= blocks) {  // the run's block (every slot of a run is in it)
+        if (a.error_info != nullptr) a.error_info[0] = start + t, a.error_info[1] = slot;
+        return LMC_ERR_SLOT;
+      }
       int64_t len = 1;
       const int64_t room = bs - slot % bs;  // tokens left in this block
       while (t + len < count && len < room && s[t + len] == slot + len) ++len;
@@ -575,6 +584,7 @@ void build_runs(Job& job) {
     }
   }
   job.run_begin[a.num_chunks] = static_cast<int64_t>(job.runs.size());
+  return LMC_OK;
 }
 
 // ----------------------------------------------------------------------------- copying
@@ -778,18 +788,14 @@ int validate(const LmcCopyArgs* a) {
 #ifdef LMC_BOUNDS_CHECK
   if (a->layer_bounds == nullptr || a->mem_bounds == nullptr) return LMC_ERR_ARGS;
 #endif
-  const int64_t limit = a->num_blocks * a->block_size;
+  if (a->layer_blocks != nullptr)
+    for (int64_t l = 0; l < a->num_layers; ++l)
+      if (a->layer_blocks[l] < 0 || a->layer_blocks[l] > a->num_blocks) return LMC_ERR_ARGS;
   for (int64_t k = 0; k < a->num_chunks; ++k) {
     const int64_t start = a->chunk_info[5 * k], count = a->chunk_info[5 * k + 1];
-    if (start < 0 || count < 0 || start + count > a->num_slots) return LMC_ERR_ARGS;
-    for (int64_t t = start; t < start + count; ++t) {
-      if (a->slots[t] >= limit) {
-        if (a->error_info != nullptr) a->error_info[0] = t, a->error_info[1] = a->slots[t];
-        return LMC_ERR_SLOT;
-      }
-    }
+    if (start < 0 || count < 0 || start > a->num_slots - count) return LMC_ERR_ARGS;
   }
-  return LMC_OK;
+  return LMC_OK;  // slots are checked per run in build_runs
 }
 
 int paged_copy(const LmcCopyArgs& a) {
@@ -797,7 +803,7 @@ int paged_copy(const LmcCopyArgs& a) {
   Job job;
   job.a = &a;
   plan(job);
-  build_runs(job);
+  if (int rc = build_runs(job); rc != LMC_OK) return rc;
 
   int64_t tokens = 0;
   for (int64_t k = 0; k < a.num_chunks; ++k) tokens += a.chunk_info[5 * k + 1];

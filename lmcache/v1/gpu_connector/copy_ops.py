@@ -74,7 +74,23 @@ def _chunk_slots(slot_mapping: torch.Tensor, start: int, num: int) -> tuple[torc
     return slots[rows], rows
 
 
+def _check_capacity(kv_layers, geom: PagedGeometry, slot_mapping: torch.Tensor, starts, mems) -> None:
+    """Fallback's run-end check: every used slot inside every layer's blocks (one reduction)."""
+    blocks = min(native.layer_block_counts(kv_layers, geom))
+    top = -1
+    for start, mem in zip(starts, mems):
+        part = slot_mapping[start : start + mem.shape[2]]
+        if part.numel():
+            top = max(top, int(part.max()))
+    if top >= blocks * geom.block_size:
+        raise IndexError(
+            f"slot_mapping: slot {top} is outside the paged cache (smallest layer: {blocks} blocks x "
+            f"{geom.block_size} slots)"
+        )
+
+
 def _gather_torch(kv_layers, geom, slot_mapping, starts, dsts) -> None:
+    _check_capacity(kv_layers, geom, slot_mapping, starts, dsts)
     h, d = geom.num_heads, geom.head_size
     views = [_component_views(_as_int(layer), geom) for layer in kv_layers]
     for start, dst in zip(starts, dsts):
@@ -95,6 +111,7 @@ def _gather_torch(kv_layers, geom, slot_mapping, starts, dsts) -> None:
 
 
 def _scatter_torch(kv_layers, geom, slot_mapping, starts, srcs) -> None:
+    _check_capacity(kv_layers, geom, slot_mapping, starts, srcs)
     h, d = geom.num_heads, geom.head_size
     views = [_component_views(_as_int(layer), geom) for layer in kv_layers]
     device = kv_layers[0].device

@@ -39,7 +39,7 @@ from lmcache.v1.gpu_connector.layouts import PagedGeometry
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 1  # csrc/paged_copy.h LMC_ABI_VERSION
+ABI_VERSION = 2  # csrc/paged_copy.h LMC_ABI_VERSION
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
 CPU_LIBRARY = PACKAGE_DIR / "_c_ops_cpu.so"
 CUDA_LIBRARY = PACKAGE_DIR / "_c_ops_cuda.so"
@@ -82,6 +82,7 @@ class _Args(ctypes.Structure):
             "layer_bounds",
             "mem_bounds",
             "error_info",
+            "layer_blocks",
         )
     ]
 
@@ -175,6 +176,7 @@ class NativeKernels:
         if len(starts) != len(mems):
             raise ValueError(f"starts: {len(starts)} entries for {len(mems)} memory tensors")
         first = layers[0]
+        blocks = layer_block_counts(layers, geom)
         for i, layer in enumerate(layers):
             if layer.dtype != first.dtype or layer.device != first.device or layer.stride() != first.stride():
                 raise ValueError(
@@ -202,7 +204,7 @@ class NativeKernels:
 
         comps = [v for c in geom.components for v in c.as_tuple()]
         error_info = _i64_array([0, 0])
-        arrays: dict[str, ctypes.Array] = {"error_info": error_info}
+        arrays: dict[str, ctypes.Array] = {"error_info": error_info, "layer_blocks": _i64_array(blocks)}
         args = _Args(
             direction=direction,
             elem_size=first.element_size(),
@@ -222,7 +224,7 @@ class NativeKernels:
         layer_ptrs = [t.data_ptr() for t in layers]
         mem_ptrs = [t.data_ptr() for t in mems]
         if first.device.type == "cuda":
-            self._launch_cuda(args, first, comps, layer_ptrs, chunk_info, mem_ptrs, geom)
+            self._launch_cuda(args, first, comps, layer_ptrs, chunk_info, mem_ptrs, geom, blocks)
             return
         if self.bounds_checked:
             arrays["layer_bounds"] = _u64_array([b for t in layers for b in _byte_extent(t)])
@@ -247,13 +249,16 @@ class NativeKernels:
         chunk_info: list[int],
         mem_ptrs: list[int],
         geom: PagedGeometry,
+        blocks: list[int],
     ) -> None:
         assert self._cuda is not None, "caller checks supports() first"
         counts = chunk_info[1::5]
         prefix = [0]
         for n in counts:
             prefix.append(prefix[-1] + n)
-        parts = [comps, layer_ptrs, chunk_info, mem_ptrs, prefix]
+        # error_info (device memory) gets {1, slot} if the kernel skipped a slot outside a
+        # layer; the host-side request validation makes that unreachable for engine calls
+        parts = [comps, layer_ptrs, chunk_info, mem_ptrs, prefix, blocks, [0, 0]]
         # Staged through pinned memory and copied on the current stream without blocking:
         # a pageable source would make torch synchronise the stream (a CPU stall that
         # serialises the layerwise pipeline). torch's host allocator keeps the pinned
@@ -261,7 +266,8 @@ class NativeKernels:
         staged = torch.tensor([v for p in parts for v in p], dtype=torch.int64, pin_memory=True)
         meta = staged.to(first.device, non_blocking=True)
         base, offset = meta.data_ptr(), 0
-        for name, part in zip(("comps", "layer_ptrs", "chunk_info", "mem_ptrs", "chunk_prefix"), parts):
+        names = ("comps", "layer_ptrs", "chunk_info", "mem_ptrs", "chunk_prefix", "layer_blocks", "error_info")
+        for name, part in zip(names, parts):
             setattr(args, name, base + 8 * offset)
             offset += len(part)
         args.total_tokens = prefix[-1]
@@ -286,6 +292,32 @@ class NativeKernels:
         if rc == _ERR_NOMEM:
             raise MemoryError("native copy: could not allocate its work arrays")
         raise ValueError(f"native copy rejected its arguments (code {rc})")
+
+
+def layer_block_counts(layers: Sequence[torch.Tensor], geom: PagedGeometry) -> list[int]:
+    """Blocks of each layer that lie wholly inside that layer tensor's own elements.
+
+    ``geom`` comes from one layer; a layer whose strides match but which holds fewer
+    blocks (a shorter view of a shared buffer) gets its own, smaller count, so the
+    kernels never address past it. Pure arithmetic, per layer and component.
+    """
+    out = []
+    for t in layers:
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        fit = geom.num_blocks
+        for c in geom.components:
+            span = (
+                c.offset
+                + (geom.block_size - 1) * c.token_stride
+                + (geom.num_heads - 1) * c.head_stride
+                + (geom.head_size - 1) * c.dim_stride
+            )
+            if span >= extent:
+                fit = 0
+            elif c.block_stride > 0:
+                fit = min(fit, (extent - 1 - span) // c.block_stride + 1)
+        out.append(max(0, fit))
+    return out
 
 
 def _cuda_unit_bytes(
