@@ -23,6 +23,7 @@ client: :meth:`LookupClient.lookup` returns None and the caller treats it as a m
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache.v1.private_files import ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
+        if not peer_is_us(sock):
+            self.server.on_foreign_peer(sock)
+            return
         if not self.server.track(sock):
             return
         try:
@@ -115,6 +120,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         self._lookup = lookup
         self._stats = stats
         self._warned = False
+        self._warned_peer = False
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._closing = False
@@ -153,6 +159,15 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return {}
         return {"error": f"unknown op {op!r}"}
 
+    def on_foreign_peer(self, sock: socket.socket) -> None:
+        if not self._warned_peer:
+            self._warned_peer = True
+            logger.warning(
+                "lmcache lookup server: refused a connection from uid %s (only uid %d may ask; logged once)",
+                peer_uid(sock),
+                os.geteuid(),
+            )
+
     def on_error(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
@@ -168,15 +183,24 @@ class LookupServer:
 
     ``lookup(tokens, extras) -> int`` and ``stats() -> dict`` are called from server
     threads and must be thread-safe. :meth:`close` stops serving and removes the socket.
+
+    The socket's directory must be private (created 0700, or verified: ours, not a
+    symlink, not writable by others; else :class:`UnsafePathError`). Dead sockets of
+    ours in it are removed at start; a live server on ``path`` raises OSError
+    (EADDRINUSE). Every connection's peer uid is checked (SO_PEERCRED): only our own
+    uid is served.
     """
 
     def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
         self.path = path
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        try:
-            os.unlink(path)  # a stale socket of a crashed process
-        except FileNotFoundError:
-            pass
+        directory = os.path.dirname(path) or "."
+        parent = os.path.dirname(directory)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+        ensure_private_dir(directory, what="lookup socket directory")
+        sweep_stale_sockets(directory, "lookup-")
+        if not remove_stale_socket(path):
+            raise OSError(errno.EADDRINUSE, f"{path}: a live lookup server already listens there")
         self._server = _Server(path, lookup, stats)
         os.chmod(path, 0o600)
         self._thread = threading.Thread(
@@ -219,10 +243,16 @@ class LookupClient:
     def _conn(self, rank: int) -> socket.socket:
         sock = self._socks[rank]
         if sock is None:
+            # only a private directory and a server running as our uid get the prompt's tokens
+            ensure_private_dir(os.path.dirname(self.paths[rank]) or ".", create=False, what="lookup socket directory")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
             try:
                 sock.connect(self.paths[rank])
+                if not peer_is_us(sock):
+                    raise ConnectionRefusedError(
+                        errno.EPERM, f"lookup server runs as uid {peer_uid(sock)}, not ours ({os.geteuid()})"
+                    )
             except OSError:
                 sock.close()
                 raise

@@ -10,7 +10,6 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.private_files import default_runtime_dir
 
 if TYPE_CHECKING:
     import torch
@@ -37,8 +37,11 @@ def engine_for(engine_id: str, rank: int) -> LMCacheEngine | None:
 
 
 def default_socket_dir() -> str:
-    """Per-user directory (mode 0700) for lookup sockets."""
-    return os.path.join(tempfile.gettempdir(), f"lmcache-{os.getuid()}")
+    """Per-user directory (mode 0700) for lookup sockets: ``$XDG_RUNTIME_DIR/lmcache`` or ``<tmp>/lmcache-<uid>``.
+
+    The server creates and verifies it (:mod:`lmcache.v1.private_files`).
+    """
+    return default_runtime_dir()
 
 
 def socket_path(socket_dir: str, engine_id: str, rank: int) -> str:

@@ -39,6 +39,8 @@ TEMP_SUFFIX = ".tmp"
 ENTRY_NAME_LEN = 32 + len(ENTRY_SUFFIX)
 _SCRATCH_BYTES = 4 << 20
 _MAX_HEADER_BYTES = 1 << 16
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+"""Entry files are never opened through a symlink (a planted link could point anywhere)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 _local = threading.local()
@@ -73,7 +75,7 @@ def o_direct_supported(directory: str) -> bool:
         return False
     path = os.path.join(directory, f".odirect-probe-{os.getpid()}-{threading.get_ident()}")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_NOFOLLOW | _O_DIRECT, 0o600)
     except OSError:
         return False
     try:
@@ -94,7 +96,7 @@ def write_entry(path: str, header: bytes, payload: torch.Tensor, *, o_direct: bo
     before returning. On any error the partial file is removed and the OSError
     propagates (EINVAL from O_DIRECT included: the caller may retry buffered).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (_O_DIRECT if o_direct else 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0)
     fd = os.open(path, flags, 0o600)
     ok = False
     try:
@@ -144,7 +146,7 @@ def read_entry(path: str, key: str, header_len: int, out: torch.Tensor, *, o_dir
     payload checksum. Raises CorruptEntryError on a mismatch or truncation and OSError
     on an I/O error; ``out`` then holds garbage and must not be used.
     """
-    flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if o_direct else 0)
+    flags = os.O_RDONLY | os.O_CLOEXEC | _O_NOFOLLOW | (_O_DIRECT if o_direct else 0)
     fd = os.open(path, flags)
     try:
         size = os.fstat(fd).st_size
@@ -199,7 +201,7 @@ def read_header(path: str) -> tuple[EntryHeader, os.stat_result]:
 
     Raises CorruptEntryError if the header is bad or the file size disagrees with it.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_NOFOLLOW)
     try:
         st = os.fstat(fd)
         buf = os.pread(fd, PAGE, 0)
@@ -218,7 +220,7 @@ def read_header(path: str) -> tuple[EntryHeader, os.stat_result]:
 
 def drop_page_cache(path: str) -> None:
     """Ask the kernel to drop the cached pages of ``path`` (clean pages only)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _O_NOFOLLOW)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:

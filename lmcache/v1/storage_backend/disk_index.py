@@ -29,6 +29,9 @@ from lmcache.v1.storage_backend.disk_file import (
 )
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError
 
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+"""Entry files are never opened through a symlink (a planted link could point anywhere)."""
+
 logger = logging.getLogger(__name__)
 
 _LOCK_PREFIX = ".owner-"
@@ -240,7 +243,7 @@ class OwnerLock:
     def __init__(self, directory: str) -> None:
         self.token = f"{os.getpid():x}{secrets.token_hex(4)}"
         self.path = self.path_for(directory, self.token)
-        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd: int | None = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | _O_NOFOLLOW, 0o600)
         fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     @staticmethod
@@ -251,7 +254,7 @@ class OwnerLock:
     def is_alive(cls, directory: str, token: str) -> bool:
         """Whether the owner of ``token`` still holds its lock."""
         try:
-            fd = os.open(cls.path_for(directory, token), os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(cls.path_for(directory, token), os.O_RDONLY | os.O_CLOEXEC | _O_NOFOLLOW)
         except OSError:
             return False
         try:

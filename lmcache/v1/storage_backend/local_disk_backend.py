@@ -44,6 +44,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
 from lmcache.v1.memory_management import GiB, MemoryObj
+from lmcache.v1.private_files import UnsafePathError, ensure_private_dir, open_private_dir
 from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
@@ -220,7 +221,7 @@ class LocalDiskBackend(StorageBackend):
         self._logged: set[str] = set()
         try:
             self._owner = OwnerLock(self.directory)
-            self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._dir_fd = open_private_dir(self.directory, create=False, what="disk cache directory")
             self._load_index()
         except OSError as exc:
             raise ConfigError(
@@ -802,17 +803,19 @@ class LocalDiskBackend(StorageBackend):
 
 
 def _prepare_directory(root: str, directory: str, raw: str | None) -> None:
-    """Create ``root`` and ``directory`` (0700); ConfigError if that is impossible."""
+    """Create ``root`` and ``directory`` (0700); ConfigError if that is impossible or unsafe.
+
+    ``directory`` (where entries live) must be ours, a real directory (not a symlink)
+    and writable by nobody else (see :mod:`lmcache.v1.private_files`): entries planted
+    by another local user would otherwise be served.
+    """
     if os.path.exists(root) and not os.path.isdir(root):
         raise ConfigError(f"local_disk={raw!r}: {root} exists and is not a directory; expected a directory path")
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise ConfigError(f"local_disk={raw!r}: {directory} exists and is not a directory") from None
-        os.chmod(directory, 0o700)
+        ensure_private_dir(directory, what="disk cache directory")
+    except UnsafePathError as exc:
+        raise ConfigError(f"local_disk={raw!r}: {exc}") from None
     except OSError as exc:
         raise ConfigError(
             f"local_disk={raw!r}: cannot create the cache directory {directory} ({exc.strerror}); "
