@@ -73,6 +73,7 @@ class LMCacheEngine:
         self.storage_manager = storage_manager or StorageManager(config, stats=self.stats)
         self.hidden_state_store = self._make_hidden_state_store()
         self._warned_full = False
+        self._warned_corrupt = False
         self._closed = False
 
     def _make_hidden_state_store(self):
@@ -110,6 +111,37 @@ class LMCacheEngine:
         if self.gpu_connector is None:
             raise ValueError("gpu_connector: this engine was built without one; store/retrieve need it")
         return self.gpu_connector
+
+    def fitting_prefix(
+        self,
+        spans: list[ChunkSpan],
+        objs: list[MemoryObj],
+        connector: Any,
+        keys: list[CacheEngineKey] | None = None,
+    ) -> int:
+        """How many leading ``objs`` fit their span under ``connector``'s layout.
+
+        The first that does not (a well-formed entry of another shape, dtype or format:
+        e.g. written by a differently configured process) is a miss: its key (``keys[i]``,
+        default the span's) is removed from every tier, counted in ``stats.corrupt_entries`` and logged once. The caller
+        still owns (and releases) every object.
+        """
+        dtype, fmt = self.metadata.kv_dtype, connector.fmt
+        for i, (span, obj) in enumerate(zip(spans, objs)):
+            want = tuple(connector.get_shape(span.end - span.start))
+            if obj.shape != want or obj.dtype != dtype or obj.fmt != fmt:
+                self.drop_corrupt(keys[i] if keys is not None else span.key, f"shape {obj.shape} {obj.dtype} {obj.fmt.name}, expected {want} {dtype} {fmt.name}")
+                return i
+        return len(objs)
+
+    def drop_corrupt(self, key: CacheEngineKey, why: str) -> None:
+        """Remove an entry that does not fit the request from every tier (a miss, counted)."""
+        self.storage_manager.remove(key)
+        self.stats.add(corrupt_entries=1)
+        if not self._warned_corrupt:
+            self._warned_corrupt = True
+            logger.warning("lmcache: dropped a cached entry that does not fit this engine (%s); treated as a miss "
+                           "(logged once, counted in corrupt_entries)", why)
 
     # ------------------------------------------------------------------ store
     def store(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
@@ -181,7 +213,11 @@ class LMCacheEngine:
             return ret
         objs = self.storage_manager.batched_get([s.key for s in spans])
         hits = [o for o in objs if o is not None]
-        spans = spans[: len(hits)]
+        fit = self.fitting_prefix(spans, hits, self._connector())
+        for obj in hits[fit:]:
+            obj.ref_count_down()
+        hits = hits[:fit]
+        spans = spans[:fit]
         try:
             if hits:
                 self._connector().batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)

@@ -366,6 +366,7 @@ def _retrieve_steps(
                 ok = 0
                 while ok < min(hit, len(got)) and got[ok] is not None:
                     ok += 1
+                ok = engine.fitting_prefix(spans[:ok], got[:ok], connector, keys[layer][:ok])  # type: ignore[arg-type]
                 if ok < hit:
                     _report_shortfall(engine, layer, hit, ok)
                     hit = ok

@@ -44,3 +44,6 @@ class CacheStats(Counters):
     lookup_hit_tokens: int = 0
     evictions: int = 0
     load_errors: int = 0
+    corrupt_entries: int = 0
+    """Stored entries that did not fit the request's layout (shape/dtype/format): served as
+    misses and removed from every tier."""

@@ -270,3 +270,32 @@ def test_mask_must_be_bool_and_prefix_shaped():
     with pytest.raises(ValueError, match="mask"):
         engine.retrieve(list(range(32)), bad, kvcaches=kv, slot_mapping=slots)
     engine.close()
+
+
+# ----------------------------------------------------------------------------- item 5
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_item5_entry_of_another_shape_is_a_miss_removed_and_counted(layerwise):
+    from lmcache.v1.layerwise import layer_keys
+
+    spec = KVSpec(num_blocks=8, block_size=8)
+    engine = make_engine(spec, layerwise=layerwise)
+    kv, slots, tokens = random_kv_caches(spec), random_slot_mapping(spec, 32), list(range(32))
+    sm = engine.storage_manager
+    key = engine.keys(tokens)[0]
+    if layerwise:
+        key = layer_keys([key], spec.num_layers)[0][0]
+        shape = (2, 1, CHUNK // 2, spec.hidden)  # well-formed, wrong token count
+    else:
+        shape = (2, spec.num_layers, CHUNK // 2, spec.hidden)
+    bad = sm.allocate(shape, spec.dtype, engine.gpu_connector.fmt)
+    sm.put(key, bad)
+    bad.ref_count_down()
+    out = [torch.zeros_like(t) for t in kv]
+    for _ in range(2):  # never an exception, every time
+        ret = engine.retrieve(tokens, kvcaches=out, slot_mapping=slots)
+        assert not bool(ret.any())
+    assert engine.stats.corrupt_entries == 1
+    assert not sm.contains(key)
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == 32  # the prefix is usable again
+    assert bool(engine.retrieve(tokens, kvcaches=out, slot_mapping=slots).all())
+    engine.close()
