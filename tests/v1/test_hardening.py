@@ -283,8 +283,13 @@ def test_item5_entry_of_another_shape_is_a_miss_removed_and_counted(layerwise):
     sm = engine.storage_manager
     key = engine.keys(tokens)[0]
     if layerwise:
-        key = layer_keys([key], spec.num_layers)[0][0]
+        per_layer = [layer[0] for layer in layer_keys([key], spec.num_layers)]
+        key = per_layer[0]
         shape = (2, 1, CHUNK // 2, spec.hidden)  # well-formed, wrong token count
+        for other in per_layer[1:]:  # the other layers are fine: the chunk looks cached
+            good = sm.allocate((2, 1, CHUNK, spec.hidden), spec.dtype, engine.gpu_connector.fmt)
+            sm.put(other, good)
+            good.ref_count_down()
     else:
         shape = (2, spec.num_layers, CHUNK // 2, spec.hidden)
     bad = sm.allocate(shape, spec.dtype, engine.gpu_connector.fmt)
