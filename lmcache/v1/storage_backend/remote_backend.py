@@ -5,7 +5,8 @@ key, shape, dtype and an xxh3 checksum of the payload); a reader verifies all of
 so a corrupt value, a value written under another namespace or another format version
 is a miss, never wrong KV. Nothing read from the server is ever unpickled or executed.
 
-Remote keys are ``<prefix>:v<entry version>:<namespace>:<CacheEngineKey.to_string()>``;
+Remote keys are ``<prefix>:v<entry version>:<namespace>:<CacheEngineKey.to_string()>``
+(a key string over 512 characters is replaced by ``#sha256:<hex digest>``);
 the key string already names model, world size, worker, chunk hash and KV dtype, the
 namespace separates the KV cache from other caches (``"kv"``, ``"ec"``, ...), and the
 prefix (``extra_config.remote_key_prefix``, default ``lmcache``) separates tenants.
@@ -15,6 +16,7 @@ Tuning knobs live in ``extra_config`` (see :class:`RemoteOptions` and docs/remot
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +33,7 @@ from lmcache.v1.storage_backend.connector import (
     RemoteAuthError,
     RemoteError,
     RemoteUnavailable,
+    RemoteWrongType,
     TLSOptions,
     create_connector,
     mask_url,
@@ -51,6 +54,8 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
+MAX_PLAIN_KEY = 512
+"""Key strings up to this many characters are used as they are; longer ones are hashed."""
 DEFAULT_INFLIGHT_CAP = 512 * MiB
 
 
@@ -259,8 +264,17 @@ class RemoteBackend(StorageBackend):
         return self.breaker.wait_closed(timeout) and self.available
 
     def remote_key(self, key: CacheEngineKey) -> str:
-        """The namespaced key under which ``key``'s entry is stored."""
-        return self._key_prefix + key.to_string()
+        """The namespaced key under which ``key``'s entry is stored.
+
+        Key strings longer than :data:`MAX_PLAIN_KEY` bytes (e.g. many request configs)
+        are replaced by ``#sha256:<hex>`` of the string: fixed length, so the entry
+        header (which repeats the remote key) always fits the first read, and still
+        collision-resistant.
+        """
+        text = key.to_string()
+        if len(text) > MAX_PLAIN_KEY:
+            text = "#sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        return self._key_prefix + text
 
     # ------------------------------------------------------------------ contract
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -342,6 +356,10 @@ class RemoteBackend(StorageBackend):
             return None
         except _NoRoom:
             self.stats.add(alloc_failures=1, misses=1)
+            return None
+        except RemoteWrongType as exc:  # a list/hash/... under our key: never one of our entries
+            self._release(got)
+            self._corrupt(rkey, CorruptEntryError(f"value of another Redis type ({exc})"))
             return None
         except RemoteError as exc:
             self._release(got)

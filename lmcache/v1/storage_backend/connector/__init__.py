@@ -6,7 +6,7 @@ talks to it in keys (strings) and buffers only.
 
 from __future__ import annotations
 
-from lmcache.v1.storage_backend.connector.errors import RemoteAuthError, RemoteError, RemoteUnavailable
+from lmcache.v1.storage_backend.connector.errors import RemoteAuthError, RemoteError, RemoteUnavailable, RemoteWrongType
 from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector, TLSOptions
 from lmcache.v1.storage_backend.connector.url import RemoteAddress, mask_url, parse_remote_url
 
@@ -16,6 +16,7 @@ __all__ = [
     "RemoteAuthError",
     "RemoteError",
     "RemoteUnavailable",
+    "RemoteWrongType",
     "TLSOptions",
     "create_connector",
     "mask_url",

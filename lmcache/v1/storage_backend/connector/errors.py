@@ -1,7 +1,8 @@
-"""Exceptions raised by remote connectors (one root, three meanings).
+"""Exceptions raised by remote connectors (one root, four meanings).
 
 The remote backend catches exactly these: :class:`RemoteUnavailable` opens the
-circuit breaker, :class:`RemoteAuthError` disables the tier, anything else derived
+circuit breaker, :class:`RemoteAuthError` disables the tier, :class:`RemoteWrongType`
+(a value of another Redis type under our key) is a corrupt entry, anything else derived
 from :class:`RemoteError` is a miss for that one call. Exceptions raised by a read
 plan (e.g. a corrupt entry) pass through the connector unchanged.
 """
@@ -19,3 +20,7 @@ class RemoteUnavailable(RemoteError):
 
 class RemoteAuthError(RemoteError):
     """The server refused the credentials (wrong or missing username/password)."""
+
+
+class RemoteWrongType(RemoteError):
+    """The key holds a value of another Redis type (list, hash, ...): not one of our entries."""

@@ -28,7 +28,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from lmcache.v1.storage_backend.connector.errors import RemoteAuthError, RemoteError, RemoteUnavailable
+from lmcache.v1.storage_backend.connector.errors import RemoteAuthError, RemoteError, RemoteUnavailable, RemoteWrongType
 from lmcache.v1.storage_backend.connector.resp import SCRATCH_BYTES, Buffer, ReadPlan, ReplyError, get_into, send_set
 from lmcache.v1.storage_backend.connector.url import RemoteAddress
 
@@ -222,6 +222,8 @@ def _translate(exc: BaseException, conn) -> BaseException:
             return RemoteAuthError(exc.message)
         if exc.message.startswith(_UNAVAILABLE_REPLIES):
             return RemoteUnavailable(exc.message)
+        if exc.message.startswith("WRONGTYPE"):
+            return RemoteWrongType(exc.message)
         return exc
     if isinstance(exc, RemoteError):
         return exc
@@ -238,6 +240,8 @@ def _translate(exc: BaseException, conn) -> BaseException:
             conn.disconnect()
         cause = _auth_cause(exc)
         return RemoteAuthError(str(cause)) if cause is not None else RemoteUnavailable(str(exc) or repr(exc))
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE"):
+        return RemoteWrongType(str(exc))
     if isinstance(exc, redis.RedisError):
         return RemoteError(str(exc))
     return exc
