@@ -140,3 +140,59 @@ def test_cluster_master_killed_then_back(redis_cluster: RedisClusterProcs):
         obj.ref_count_down()
     finally:
         sm.close()
+
+
+def _slots_of(server) -> list[int]:
+    out = []
+    for lo, hi, master, *_ in server.client().execute_command("CLUSTER", "SLOTS"):
+        if int(master[1]) == server.port:
+            out.extend(range(int(lo), int(hi) + 1))
+    return out
+
+
+def _cluster_state(server) -> str:
+    info = server.client().execute_command("CLUSTER", "INFO")
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "ok" if "cluster_state:ok" in text else "fail"
+
+
+def test_cluster_down_while_ping_works_gives_one_outage_and_one_recovery(redis_cluster: RedisClusterProcs, caplog):
+    """Issue 13 item 8: a node answering PING but refusing data (CLUSTERDOWN) must not flap the breaker."""
+    import threading
+
+    caplog.set_level(logging.INFO, logger="lmcache")
+    sm = make_manager(redis_cluster.url, remote_timeout=1.0, extra_config={"remote_backoff_initial": 0.02,
+                                                                           "remote_backoff_max": 0.05})
+    victim = redis_cluster.servers[1]
+    slots = _slots_of(victim)
+    try:
+        rb = remote_of(sm)
+        keys = [key(i) for i in range(24)]
+        victim.client().execute_command("CLUSTER", "DELSLOTS", *slots)
+        pace = threading.Event()
+        for _ in range(200):  # wait (bounded) until the victim reports the failure
+            if _cluster_state(victim) == "fail":
+                break
+            pace.wait(0.05)
+        assert _cluster_state(victim) == "fail"
+        assert victim.client().ping()
+        for _ in range(30):  # ~1.5 s of traffic while probes run every <= 50 ms
+            rb.batched_contains(keys)
+            got = rb.get_blocking(keys[5])
+            assert got is None
+            pace.wait(0.05)
+        assert rb.stats.breaker_open == 1, rb.stats
+        victim.client().execute_command("CLUSTER", "ADDSLOTS", *slots)
+        redis_cluster._wait_ok()
+        assert rb.wait_available(30)
+        for _ in range(5):
+            rb.batched_contains(keys)
+        down = [r for r in caplog.records if "unavailable" in r.getMessage() and "remote tier" in r.getMessage()]
+        back = [r for r in caplog.records if "reachable again" in r.getMessage()]
+        assert len(down) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]
+        assert rb.stats.breaker_open == 1 and rb.stats.reconnects == 1
+    finally:
+        if _cluster_state(victim) != "ok":
+            victim.client().execute_command("CLUSTER", "ADDSLOTS", *slots)
+            redis_cluster._wait_ok()
+        sm.close()

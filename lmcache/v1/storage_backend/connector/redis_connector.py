@@ -96,11 +96,22 @@ class RedisConnector:
 
     # ------------------------------------------------------------------ operations
     def ping(self) -> None:
-        """Connect if needed and PING every primary; raises on failure."""
+        """Connect if needed and PING every primary; raises on failure.
+
+        For a cluster, every primary must also report ``cluster_state:ok`` in ``CLUSTER
+        INFO``: a node answers PING while it refuses data commands with CLUSTERDOWN, and
+        health must follow what data commands would get (one outage, one recovery).
+        """
         if not self._topology.connect():
             self._topology.refresh()  # reconnecting: the slot map may have changed
+        cluster = isinstance(self._topology, _Cluster)
         for pool in self._topology.all_pools():
             self._on_pool(pool, lambda c: _command(c, "PING"))
+            if cluster:
+                info = self._on_pool(pool, lambda c: _command(c, "CLUSTER", "INFO"))
+                text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+                if "cluster_state:ok" not in text:
+                    raise RemoteUnavailable(f"cluster node {pool.connection_kwargs.get('port')}: cluster_state is not ok")
 
     def set(self, key: str, parts: Sequence[Buffer]) -> None:
         """Store the concatenation of ``parts`` under ``key`` (buffers are not joined)."""
