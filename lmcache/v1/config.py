@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -22,6 +23,7 @@ from typing import Any, Mapping
 import yaml
 
 from lmcache.v1.config_compat import RENAMED, is_lmcache_default, lmcache_key
+from lmcache.v1.secrets import mask_url
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +69,57 @@ def _as_int(key: str, value: Any) -> int:
 
 
 def _as_float(key: str, value: Any) -> float:
+    """A finite number (NaN and infinities are rejected: they break every comparison)."""
+    out: float | None = None
     if isinstance(value, bool):
         raise ConfigError(f"{key}={value!r}: expected a number")
     if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
         try:
-            return float(value.strip())
+            out = float(value)
+        except OverflowError:
+            out = math.inf
+    elif isinstance(value, str):
+        try:
+            out = float(value.strip())
         except ValueError:
             pass
-    raise ConfigError(f"{key}={value!r}: expected a number")
+    if out is None:
+        raise ConfigError(f"{key}={value!r}: expected a number")
+    if not math.isfinite(out):
+        raise ConfigError(f"{key}={value!r}: expected a finite number (not NaN or infinity)")
+    return out
+
+
+def _as_secret(key: str, value: Any) -> str | None:
+    """A password: a string or null. The value is never part of an error message."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value if value.strip() and value.strip().lower() not in ("none", "null") else None
+    raise ConfigError(f"{key}: expected a string or null, got a {type(value).__name__} (value not shown; quote it in YAML)")
+
+
+def _as_url(key: str, value: Any) -> str | None:
+    """An optional URL; error messages show it with its credentials masked."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a URL string or null, got a {type(value).__name__} (value not shown)")
+    return _as_opt_str(key, value)
+
+
+def _as_path(key: str, value: Any) -> str | None:
+    """An optional directory path; null (or the key absent) means unset, an empty string is an error."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("none", "null"):
+            return None
+        if not any(p.strip() not in ("", "file://") for p in text.split(",")):
+            raise ConfigError(f"{key}={value!r}: expected a directory path (use null or omit the key to disable it)")
+        return text
+    raise ConfigError(f"{key}={value!r}: expected a directory path or null")
 
 
 def _as_opt_str(key: str, value: Any) -> str | None:
@@ -95,7 +138,10 @@ def _as_int_list(key: str, value: Any) -> list[int] | None:
         text = value.strip()
         if text.lower() in ("", "none", "null"):
             return None
-        value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+        try:
+            value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}={text!r}: expected a list of non-negative integers") from None
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)):
@@ -112,12 +158,22 @@ def _as_dict(key: str, value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        value = yaml.safe_load(value) if value.strip() else None
+        try:
+            value = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}: expected a mapping (the string is not valid YAML)") from None
         if value is None:
             return None
     if not isinstance(value, Mapping):
         raise ConfigError(f"{key}={value!r}: expected a mapping")
-    return dict(value)
+    out: dict[str, Any] = {}
+    for name, item in value.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{key}: keys must be strings, got {type(name).__name__} key {name!r}")
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"{key}.{name}={item!r}: expected a finite number (not NaN or infinity)")
+        out[name] = item
+    return out
 
 
 def _as_policy(key: str, value: Any) -> str:
@@ -130,12 +186,12 @@ _PARSERS = {
     "chunk_size": _as_int,
     "local_cpu": _as_bool,
     "max_local_cpu_size": _as_float,
-    "local_disk": _as_opt_str,
+    "local_disk": _as_path,
     "max_local_disk_size": _as_float,
-    "remote_url": _as_opt_str,
+    "remote_url": _as_url,
     "remote_timeout": _as_float,
     "remote_username": _as_opt_str,
-    "remote_password": _as_opt_str,
+    "remote_password": _as_secret,
     "save_unfull_chunk": _as_bool,
     "use_layerwise": _as_bool,
     "cache_policy": _as_policy,
@@ -144,6 +200,30 @@ _PARSERS = {
     "hidden_state_layers": _as_int_list,
     "extra_config": _as_dict,
 }
+
+# extra_config keys read by the tiers and the vLLM adapter (see docs/configuration.md);
+# others are warned about with a "did you mean" hint, like unknown top-level keys.
+EXTRA_CONFIG_KEYS = (
+    "local_disk_o_direct",
+    "local_disk_write_threads",
+    "local_disk_read_threads",
+    "local_disk_queue_depth",
+    "local_disk_close_timeout",
+    "remote_workers",
+    "remote_read_workers",
+    "remote_max_inflight_mb",
+    "remote_backoff_initial",
+    "remote_backoff_max",
+    "remote_key_prefix",
+    "remote_tls_ca_certs",
+    "remote_tls_certfile",
+    "remote_tls_keyfile",
+    "remote_tls_cert_reqs",
+    "use_gpu",
+    "enable_blending",
+    "lookup_socket_dir",
+    "lookup_timeout",
+)
 
 
 @dataclass(slots=True)
@@ -159,7 +239,7 @@ class LMCacheEngineConfig:
     max_local_cpu_size: float = 5.0
     local_disk: str | None = None
     max_local_disk_size: float = 0.0
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # shown masked by __repr__
     remote_timeout: float = 5.0
     remote_username: str | None = None
     remote_password: str | None = field(default=None, repr=False)  # never logged
@@ -170,6 +250,20 @@ class LMCacheEngineConfig:
     max_hidden_state_cpu_size: float = 2.0
     hidden_state_layers: list[int] | None = None
     extra_config: dict[str, Any] | None = field(default=None)
+
+    def __repr__(self) -> str:
+        """Every field except secrets; ``remote_url`` with its credentials masked."""
+        parts = []
+        for f in dataclasses.fields(self):
+            if f.name == "remote_password":
+                parts.append(f"remote_password={'***' if self.remote_password else None}")
+            elif f.name == "remote_url":
+                parts.append(f"remote_url={mask_url(self.remote_url) if self.remote_url else None!r}")
+            else:
+                parts.append(f"{f.name}={getattr(self, f.name)!r}")
+        return f"LMCacheEngineConfig({', '.join(parts)})"
+
+    __str__ = __repr__
 
     # ---------------------------------------------------------------- builders
     @classmethod
@@ -239,6 +333,10 @@ class LMCacheEngineConfig:
                     continue
                 parser = _PARSERS[key]
             setattr(self, key, parser(key, value))
+            if key == "extra_config":
+                for name in self.extra_config or {}:
+                    if name not in EXTRA_CONFIG_KEYS:
+                        warn_unknown_key(name, source, known=EXTRA_CONFIG_KEYS, prefix="extra_config.")
         if validate:
             self.validate()
 
@@ -263,7 +361,7 @@ class LMCacheEngineConfig:
             raise ConfigError(f"remote_timeout={self.remote_timeout!r}: expected seconds > 0")
         if self.remote_url is not None and "://" not in self.remote_url:
             raise ConfigError(
-                f"remote_url={self.remote_url!r}: expected a URL such as redis://host:port, "
+                f"remote_url={mask_url(self.remote_url)!r}: expected a URL such as redis://host:port, "
                 "rediss://host:port, unix:///path or redis-cluster://host:port,host:port"
             )
         if self.enable_hidden_state_cache and self.max_hidden_state_cpu_size <= 0:
@@ -308,10 +406,10 @@ def config_keys() -> tuple[str, ...]:
     return tuple(_PARSERS)
 
 
-def warn_unknown_key(key: str, source: str) -> None:
-    close = difflib.get_close_matches(key, _PARSERS, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    logger.warning("unknown lmcache config key %r in %s (ignored)%s", key, source, hint)
+def warn_unknown_key(key: str, source: str, *, known: Any = None, prefix: str = "") -> None:
+    close = difflib.get_close_matches(key, known if known is not None else _PARSERS, n=1)
+    hint = f"; did you mean {prefix + close[0]!r}?" if close else ""
+    logger.warning("unknown lmcache config key %r in %s (ignored)%s", prefix + key, source, hint)
 
 
 def env_overrides(prefix: str) -> dict[str, str]:

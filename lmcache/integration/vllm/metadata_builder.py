@@ -18,7 +18,7 @@ import torch
 
 from lmcache.integration.vllm.utils import default_socket_dir, instance_id
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.config import LMCacheEngineConfig, _as_float
 from lmcache.v1.gpu_connector.layerwise import create_gpu_connector
 from lmcache.v1.metadata import LMCacheEngineMetadata
 
@@ -102,7 +102,7 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
         )
     model = vllm_config.model_config
     role = getattr(ktc, "kv_role", None) or "kv_both"
-    timeout = float(config.get_extra("lookup_timeout", 2.0))
+    timeout = _as_float("extra_config.lookup_timeout", config.get_extra("lookup_timeout", 2.0))  # finite
     if timeout <= 0:
         raise ValueError(f"extra_config.lookup_timeout={timeout!r}: expected seconds > 0")
     device_cfg = getattr(vllm_config, "device_config", None)

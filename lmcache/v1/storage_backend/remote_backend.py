@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ def _extra_int(config: LMCacheEngineConfig, name: str, default: int, minimum: in
         raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}")
     try:
         out = int(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # "x", nan, inf
         raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}") from None
     if out < minimum:
         raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}")
@@ -108,8 +109,8 @@ def _extra_float(config: LMCacheEngineConfig, name: str, default: float) -> floa
         out = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"extra_config.{name}={value!r}: expected a number of seconds > 0") from None
-    if out <= 0:
-        raise ValueError(f"extra_config.{name}={value!r}: expected a number of seconds > 0")
+    if not math.isfinite(out) or out <= 0:  # NaN would pass "<= 0" and make the reconnect loop spin
+        raise ValueError(f"extra_config.{name}={value!r}: expected a finite number of seconds > 0")
     return out
 
 

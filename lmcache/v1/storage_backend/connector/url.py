@@ -15,14 +15,15 @@ secret out of the URL. :func:`mask_url` is what every log line shows.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote
 
+from lmcache.v1.secrets import mask_url
+
+__all__ = ["DEFAULT_PORT", "SCHEMES", "RemoteAddress", "mask_url", "parse_remote_url"]
+
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
-
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^@/]*?)(?::(?P<pw>[^@]*))?@")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,14 +51,6 @@ class RemoteAddress:
         where = self.path if self.path is not None else ",".join(f"{h}:{p}" for h, p in self.nodes)
         pw = ", password=***" if self.password else ""
         return f"RemoteAddress({self.scheme}://{where}, db={self.db}, username={self.username!r}{pw})"
-
-
-def mask_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (safe to log)."""
-    m = _USERINFO.match(url)
-    if m is None or m.group("pw") is None:
-        return url
-    return f"{m.group('scheme')}{m.group('user')}:***@{url[m.end():]}"
 
 
 def _bad(url: str, why: str) -> ValueError:
@@ -89,14 +82,14 @@ def parse_remote_url(url: str) -> RemoteAddress:
     scheme = scheme.lower()
     if not sep or scheme not in SCHEMES:
         raise _bad(url, f"unsupported scheme {scheme!r}; expected one of {', '.join(s + '://' for s in SCHEMES)}")
-    rest, _, query_text = rest.partition("?")
-    query = {k: v[-1] for k, v in parse_qs(query_text).items()}
     username = password = None
-    if "@" in rest:
+    if "@" in rest:  # the userinfo ends at the last '@' (mask_url splits there too)
         userinfo, _, rest = rest.rpartition("@")
         user, has_pw, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if has_pw and pw else None
+    rest, _, query_text = rest.partition("?")
+    query = {k: v[-1] for k, v in parse_qs(query_text).items()}
     db_text = query.get("db", "")
     if scheme == "unix":
         if not rest.startswith("/"):
