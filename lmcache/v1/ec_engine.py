@@ -184,6 +184,11 @@ class ECCacheEngine:
         """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor={type(tensor).__name__}: expected a torch.Tensor for mm_hash={mm_hash!r}")
+        if tensor.dim() == 0 or tensor.is_complex() or tensor.dtype == torch.bool:
+            raise ValueError(
+                f"tensor: shape {tuple(tensor.shape)} dtype {tensor.dtype} for mm_hash={mm_hash!r}; "
+                "expected a real-valued tensor with at least one dimension ([num_tokens, dim])"
+            )
         key = self.key(mm_hash)
         if self.storage_manager.local_cpu.contains(key):
             self.stats.add(put_existing=1)
@@ -215,9 +220,14 @@ class ECCacheEngine:
         """A new tensor on ``device`` holding the entry, or None on a miss.
 
         A hit in a lower tier is promoted to the CPU tier. The returned tensor is
-        owned by the caller and never shares memory with the cache.
+        owned by the caller and never shares memory with the cache. ``device`` must name
+        a torch device (ValueError otherwise).
         """
         key = self.key(mm_hash)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device={device!r}: expected a torch device such as 'cpu' or 'cuda:0'") from None
         try:
             obj = self.storage_manager.get(key)
         except _ERRORS as exc:

@@ -304,3 +304,24 @@ def test_item5_entry_of_another_shape_is_a_miss_removed_and_counted(layerwise):
     assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == 32  # the prefix is usable again
     assert bool(engine.retrieve(tokens, kvcaches=out, slot_mapping=slots).all())
     engine.close()
+
+
+# ----------------------------------------------------------------------------- EC engine boundary
+def test_ec_engine_validates_its_arguments():
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.ec_engine import ECCacheEngine
+
+    ec = ECCacheEngine(LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.05}), "m", torch.float32)
+    try:
+        with pytest.raises(TypeError, match="mm_hash"):
+            ec.put(123, torch.zeros(2, 2))
+        with pytest.raises(TypeError, match="tensor"):
+            ec.put("a", [[1.0]])
+        with pytest.raises(ValueError, match="tensor"):
+            ec.put("a", torch.tensor(1.0))
+        assert ec.put("a", torch.ones(2, 3))
+        with pytest.raises(ValueError, match="device"):
+            ec.get("a", device="not-a-device")
+        assert torch.equal(ec.get("a"), torch.ones(2, 3))
+    finally:
+        ec.close()
