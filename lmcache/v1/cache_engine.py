@@ -218,14 +218,18 @@ class LMCacheEngine:
             obj.ref_count_down()
         hits = hits[:fit]
         spans = spans[:fit]
+        loaded = 0
         try:
             if hits:
                 self._connector().batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)
                 req.mark_written(ret, spans[0].start, spans[-1].end)
+                loaded = spans[-1].end - spans[0].start
         finally:
             for obj in hits:
                 obj.ref_count_down()
-        self.stats.add(hit_tokens=int(ret.sum()))
+        # tokens of the chunks loaded from the cache (a token without a slot, e.g. one vLLM
+        # already holds, is loaded but not written: counted here, False in the mask)
+        self.stats.add(hit_tokens=loaded)
         return ret
 
     # ------------------------------------------------------------------ lookup

@@ -386,7 +386,7 @@ def _retrieve_steps(
         if hit:
             req.mark_written(ret, spans[0].start, spans[hit - 1].end)
         _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
-        engine.stats.add(hit_tokens=int(ret.sum()))
+        engine.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
         yield ret
     finally:
         state.release(sm)
