@@ -172,10 +172,8 @@ class KeyExtras:
         return out
 
 
-NO_EXTRAS = object.__new__(KeyExtras)
-object.__setattr__(NO_EXTRAS, "cache_salt", None)
-object.__setattr__(NO_EXTRAS, "request_configs", ())
-object.__setattr__(NO_EXTRAS, "extra_keys", ())
+NO_EXTRAS = KeyExtras()
+"""The extras of a request that has none (shared instance)."""
 
 
 # ---------------------------------------------------------------------- tokens and masks
@@ -280,7 +278,7 @@ class PagedKV:
         return self.geometry.num_blocks * self.geometry.block_size
 
 
-class _GeometryCache:
+class GeometryCache:
     """Last (shape, strides) -> geometry, per connector (one layer shape per engine)."""
 
     __slots__ = ("key", "geometry")
@@ -315,7 +313,7 @@ def check_kv_layers(kvcaches: object, spec: KVSpec) -> tuple[torch.Tensor, ...]:
     return layers
 
 
-def kv_geometry(first: torch.Tensor, spec: KVSpec, cache: _GeometryCache | None = None) -> PagedGeometry:
+def kv_geometry(first: torch.Tensor, spec: KVSpec, cache: GeometryCache | None = None) -> PagedGeometry:
     """The geometry of a (validated) layer tensor under ``spec``'s layout, cached."""
     key = (tuple(first.shape), first.stride())
     if cache is not None and cache.key == key:

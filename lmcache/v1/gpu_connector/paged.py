@@ -13,9 +13,9 @@ from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.gpu_connector.layouts import KVLayout, get_layout
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import (
+    GeometryCache,
     KVSpec,
     PagedKV,
-    _GeometryCache,
     check_kv_layers,
     check_slot_mapping,
     kv_geometry,
@@ -96,7 +96,7 @@ class PagedKVBase:
         self.use_mla = use_mla
         self.num_kv = 1 if use_mla else 2
         self._layout: KVLayout | None = get_layout(layout) if layout is not None else None
-        self._geom_cache = _GeometryCache()
+        self._geom_cache = GeometryCache()
         self._spec = KVSpec(num_layers, hidden_dim_size, self.num_kv, dtype, use_mla, self._layout)
         self.kvcaches: list[torch.Tensor] | None = None
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
