@@ -78,6 +78,24 @@ def open_private_dir(path: str, *, create: bool = True, what: str = "directory")
     return fd
 
 
+def check_parent_dir(path: str, *, what: str = "parent directory") -> None:
+    """``path`` (symlinks followed: the operator named it) must not let another user swap
+    what is inside it: owned by us or root, and not writable by others unless sticky
+    (like ``/tmp``). Raises :class:`UnsafePathError`; OSError if it cannot be stat-ed."""
+    st = os.stat(path)
+    uid = os.geteuid()
+    if st.st_uid not in (uid, 0):
+        raise UnsafePathError(
+            f"{what} {path} is owned by another user ({_describe(st)}, we are uid {uid}); that user could replace "
+            "our directory inside it: choose a path owned by this user"
+        )
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(
+            f"{what} {path} is writable by everybody without the sticky bit ({_describe(st)}); anybody could "
+            "replace our directory inside it: choose another path or chmod o-w / +t it"
+        )
+
+
 def ensure_private_dir(path: str, *, create: bool = True, what: str = "directory") -> None:
     """:func:`open_private_dir` without keeping the descriptor."""
     os.close(open_private_dir(path, create=create, what=what))

@@ -81,6 +81,25 @@ def test_item4_kv_dir_of_another_user_is_refused(tmp_path):
 
 
 @root_only
+def test_item4_root_dir_of_another_user_is_refused(tmp_path):
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o755)
+    os.chown(root, OTHER_UID, OTHER_UID)  # they could rename our kv/ and put theirs in place
+    with pytest.raises(ConfigError, match="owned by another user"):
+        _disk(root)
+
+
+def test_item4_world_writable_root_without_sticky_bit_is_refused(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(ConfigError, match="sticky"):
+        _disk(root)
+    os.chmod(root, 0o1777)  # like /tmp: others cannot rename our directory
+    _disk(root).close()
+
+
+@root_only
 def test_item3_socket_dir_of_another_user_is_refused(tmp_path):
     d = tmp_path / "lmcache-sock"
     d.mkdir(mode=0o700)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from lmcache.v1.private_files import ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
+from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
 
 logger = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class LookupServer:
         parent = os.path.dirname(directory)
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, mode=0o700, exist_ok=True)
+        check_parent_dir(parent or ".", what="parent of the lookup socket directory")
         ensure_private_dir(directory, what="lookup socket directory")
         sweep_stale_sockets(directory, "lookup-")
         if not remove_stale_socket(path):

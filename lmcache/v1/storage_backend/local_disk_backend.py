@@ -44,7 +44,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
 from lmcache.v1.memory_management import GiB, MemoryObj
-from lmcache.v1.private_files import UnsafePathError, ensure_private_dir, open_private_dir
+from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
 from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
@@ -813,6 +813,7 @@ def _prepare_directory(root: str, directory: str, raw: str | None) -> None:
         raise ConfigError(f"local_disk={raw!r}: {root} exists and is not a directory; expected a directory path")
     try:
         os.makedirs(root, mode=0o700, exist_ok=True)
+        check_parent_dir(root, what="local_disk directory")
         ensure_private_dir(directory, what="disk cache directory")
     except UnsafePathError as exc:
         raise ConfigError(f"local_disk={raw!r}: {exc}") from None
