@@ -146,3 +146,17 @@ def test_config_fuzz_result_or_config_error_never_a_secret(doc, secret, where, p
         log.removeHandler(handler)
         log.setLevel(old_level)
     assert not any(secret in line for line in handler.lines)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=200), secret=_secret)
+def test_config_fuzz_raw_yaml_text(tmp_path, text, secret):
+    """Arbitrary text as the config file (often not YAML at all): a config or a ConfigError."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"remote_password: {secret!r}\n" + text, encoding="utf-8")
+    try:
+        cfg = LMCacheEngineConfig.from_file(path)
+    except ConfigError as exc:
+        assert secret not in str(exc)
+    else:
+        assert secret not in repr(cfg)
