@@ -1,7 +1,7 @@
 """Fuzz of the public engine API (issue #13) against a bounds-checked native library.
 
 Hypothesis draws a random model/paged-cache geometry (layout, dtype, layers, heads, head
-size, block size, blocks, chunk size), builds an engine, then either a valid call or one
+size, block size, blocks, chunk size), builds a bulk or layerwise engine, then either a valid call or one
 invalid mutation (slot mappings with NaN/negative/out-of-range/float/bool values, layers
 of other sizes/dtypes/strides, token types, masks, key extras, unknown arguments).
 
@@ -119,9 +119,9 @@ def geometries(draw) -> Geometry:
     return Geometry(spec, draw(st.sampled_from([2, 4, 8, 16])))
 
 
-def _engine(g: Geometry):
+def _engine(g: Geometry, layerwise: bool):
     cfg = LMCacheEngineConfig.from_dict({"chunk_size": g.chunk, "max_local_cpu_size": 0.02, "save_unfull_chunk": True})
-    return make_engine(g.spec, cfg)
+    return make_engine(g.spec, cfg, layerwise=layerwise)
 
 
 def _args(draw, g: Geometry, n: int, seed: int):
@@ -257,8 +257,9 @@ def test_public_api_fuzz(checked_kernels, data):
     tokens = data.draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
     kv, slots, extras, mask = _args(data.draw, g, n, data.draw(st.integers(0, 1000)))
     kind = data.draw(st.sampled_from(("valid",) * 8 + INVALID))
+    layerwise = data.draw(st.booleans())
     event(kind)
-    engine = _engine(g)
+    engine = _engine(g, layerwise)
     try:
         kw = dict(extras, kvcaches=kv, slot_mapping=slots)
         if kind == "valid":
@@ -278,7 +279,8 @@ def test_public_api_fuzz(checked_kernels, data):
             return
         bad_tokens, bad_mask, bad_kw = _mutate(kind, g, tokens, mask, dict(kw))
         before = engine.storage_manager.allocator.used_bytes
-        for call in ("store", "retrieve"):
+        calls = ("store", "retrieve", "store_layer", "retrieve_layer") if layerwise else ("store", "retrieve")
+        for call in calls:
             with pytest.raises((TypeError, ValueError)):
                 getattr(engine, call)(bad_tokens, bad_mask, **bad_kw)
         if kind.startswith(("tokens_", "extra_keys", "salt", "configs")):
