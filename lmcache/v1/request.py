@@ -300,7 +300,7 @@ def check_kv_layers(kvcaches: object, spec: KVSpec) -> tuple[torch.Tensor, ...]:
         raise TypeError(f"kvcaches[0]: expected a torch.Tensor, got {type(first).__name__}")
     shape, strides, dtype, device = first.shape, first.stride(), first.dtype, first.device
     if spec.dtype is not None and dtype != spec.dtype:
-        raise TypeError(f"kvcaches[0]: dtype {dtype} does not match the connector dtype {spec.dtype}")
+        raise ValueError(f"kvcaches[0]: dtype {dtype} does not match the connector dtype {spec.dtype}")
     for i in range(1, len(layers)):
         t = layers[i]
         if not isinstance(t, torch.Tensor):
