@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,7 +21,8 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheEngineMetadata
-from lmcache.v1.stats import CacheStats
+from lmcache.v1.stats import TIERS as _TIERS
+from lmcache.v1.stats import CacheStats, LatencyHistogram
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.request import (
     COPY_ARG_NAMES,
@@ -69,6 +71,9 @@ class LMCacheEngine:
         self.metadata = metadata
         self.gpu_connector = gpu_connector
         self.stats = CacheStats()
+        self.latency = {op: LatencyHistogram() for op in ("store", "retrieve", "lookup")}
+        """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
+        not timed: their generators span the model's forward pass)."""
         self.token_database = ChunkedTokenDatabase(config, metadata)
         self.storage_manager = storage_manager or StorageManager(config, stats=self.stats)
         self.hidden_state_store = self._make_hidden_state_store()
@@ -159,6 +164,13 @@ class LMCacheEngine:
 
             return store_all(self, self._copy_request("store", tokens, mask, kwargs, _COPY_ARGS))
         req = self._copy_request("store", tokens, mask, kwargs, _COPY_ARGS)
+        t0 = time.perf_counter()
+        try:
+            return self._store(req)
+        finally:
+            self.latency["store"].observe(time.perf_counter() - t0)
+
+    def _store(self, req: TransferRequest) -> int:
         kv = req.kv
         assert kv is not None
         spans = self._spans(req)
@@ -190,7 +202,8 @@ class LMCacheEngine:
             for obj in objs:
                 obj.ref_count_down()
         stored = sum(s.end - s.start for s in todo)
-        self.stats.add(stored_tokens=stored)
+        self.stats.add(stored_tokens=stored, stored_bytes=sum(o.get_size() for o in objs))
+        logger.debug("lmcache store: %d tokens in %d chunks", stored, len(todo))
         return stored
 
     # ------------------------------------------------------------------ retrieve
@@ -206,12 +219,20 @@ class LMCacheEngine:
 
             return retrieve_all(self, self._copy_request("retrieve", tokens, mask, kwargs, _COPY_ARGS))
         req = self._copy_request("retrieve", tokens, mask, kwargs, _COPY_ARGS)
+        t0 = time.perf_counter()
+        try:
+            return self._retrieve(req)
+        finally:
+            self.latency["retrieve"].observe(time.perf_counter() - t0)
+
+    def _retrieve(self, req: TransferRequest) -> torch.Tensor:
         ret = torch.zeros(req.num_tokens, dtype=torch.bool)
         spans = self._spans(req)
         self.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
         if not spans:
             return ret
-        objs = self.storage_manager.batched_get([s.key for s in spans])
+        sources: list[str] = []
+        objs = self.storage_manager.batched_get([s.key for s in spans], sources=sources)
         hits = [o for o in objs if o is not None]
         fit = self.fitting_prefix(spans, hits, self._connector())
         for obj in hits[fit:]:
@@ -224,6 +245,7 @@ class LMCacheEngine:
                 self._connector().batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)
                 req.mark_written(ret, spans[0].start, spans[-1].end)
                 loaded = spans[-1].end - spans[0].start
+                self.count_loaded(spans, sources, [o.get_size() for o in hits], ret)
         finally:
             for obj in hits:
                 obj.ref_count_down()
@@ -232,6 +254,26 @@ class LMCacheEngine:
         self.stats.add(hit_tokens=loaded)
         return ret
 
+    def count_loaded(self, spans: list[ChunkSpan], tiers: list[str], nbytes: list[int], written: torch.Tensor) -> None:
+        """Count the tokens (and bytes) of ``spans`` whose KV was written into the caller's
+        cache, by the tier each chunk came from. ``written`` is the retrieve's mask (CPU
+        bool tensor, True where KV was written: a token without a slot, e.g. the prompt's
+        last one that vLLM recomputes, is not counted). Called only after the copy
+        succeeded: a hit is a loaded chunk, never a promised one."""
+        csum = torch.cumsum(written[: spans[-1].end].to(torch.int64), 0) if spans else None
+        tokens: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        for span, tier, size in zip(spans, tiers, nbytes):
+            assert csum is not None
+            n = int(csum[span.end - 1]) - (int(csum[span.start - 1]) if span.start else 0)
+            tokens[tier] = tokens.get(tier, 0) + n
+            sizes[tier] = sizes.get(tier, 0) + size
+        deltas = {f"hit_tokens_{t}": v for t, v in tokens.items() if t in _TIERS}
+        deltas.update({f"hit_bytes_{t}": v for t, v in sizes.items() if t in _TIERS})
+        if deltas:
+            self.stats.add(**deltas)
+        logger.debug("lmcache load: %s tokens by tier", tokens)
+
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: TokenInput, pin: bool = False, **kwargs: Any) -> int:
         """Number of leading tokens whose KV is cached (a multiple of chunk_size unless
@@ -239,6 +281,7 @@ class LMCacheEngine:
         until :meth:`lookup_unpin`."""
         if not isinstance(pin, bool):
             raise TypeError(f"pin={pin!r}: expected a bool")
+        t0 = time.perf_counter()
         req = self._key_request("lookup", tokens, kwargs)
         spans = self._spans(req)
         if self.config.use_layerwise:
@@ -249,6 +292,8 @@ class LMCacheEngine:
             found = self.storage_manager.batched_contains([s.key for s in spans], pin=pin)
         hit = spans[found - 1].end if found else 0
         self.stats.add(lookup_requests=1, lookup_tokens=req.num_tokens, lookup_hit_tokens=hit)
+        self.latency["lookup"].observe(time.perf_counter() - t0)
+        logger.debug("lmcache lookup: %d of %d tokens cached", hit, req.num_tokens)
         return hit
 
     def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:

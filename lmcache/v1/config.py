@@ -199,6 +199,8 @@ _PARSERS = {
     "max_hidden_state_cpu_size": _as_float,
     "hidden_state_layers": _as_int_list,
     "extra_config": _as_dict,
+    "model_namespace": _as_opt_str,
+    "log_summary_interval": _as_float,
 }
 
 # extra_config keys read by the tiers and the vLLM adapter (see docs/configuration.md);
@@ -250,6 +252,12 @@ class LMCacheEngineConfig:
     max_hidden_state_cpu_size: float = 2.0
     hidden_state_layers: list[int] | None = None
     extra_config: dict[str, Any] | None = field(default=None)
+    model_namespace: str | None = None
+    """Name folded into every chunk key instead of the model name/path (None: the model
+    name/path, as vLLM gives it). Servers loading the SAME weights from different paths
+    set the same value to share a cache; different weights must never share one."""
+    log_summary_interval: float = 10.0
+    """Seconds between periodic INFO summaries while there is traffic (0 = off)."""
 
     def __repr__(self) -> str:
         """Every field except secrets; ``remote_url`` with its credentials masked."""
@@ -286,10 +294,22 @@ class LMCacheEngineConfig:
         return cfg
 
     @classmethod
-    def load(cls) -> LMCacheEngineConfig:
-        """Defaults, then the file in ``LMCACHE_CONFIG_FILE`` (if set), then env vars."""
-        data, source = _load_data()
-        return cls.from_dict(data, source=source)
+    def load(cls, path: str | os.PathLike[str] | None = None) -> LMCacheEngineConfig:
+        """Defaults, then the YAML file ``path`` (default: ``LMCACHE_CONFIG_FILE``, if set),
+        then ``LMCACHE_*`` env vars. A :class:`ConfigError` names where the bad value came
+        from (the file's path or the environment variable)."""
+        path = os.fspath(path) if path is not None else os.environ.get(CONFIG_FILE_ENV)
+        cfg = cls()
+        if path:
+            cfg.apply(_read_yaml(path), source=str(path), validate=False)
+        env = env_overrides(ENV_PREFIX)
+        cfg.apply(env, source="environment", validate=False, env_prefix=ENV_PREFIX)
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            sources = " + ".join(s for s in (str(path) if path else "", "environment" if env else "") if s)
+            raise ConfigError(f"{sources or 'defaults'}: {exc}") from None
+        return cfg
 
     @classmethod
     def from_defaults(cls, **kwargs: Any) -> LMCacheEngineConfig:
@@ -313,14 +333,20 @@ class LMCacheEngineConfig:
 
     def update_config_from_env(self) -> LMCacheEngineConfig:
         """Apply ``LMCACHE_<KEY>`` environment variables to this config (validated); returns self."""
-        self.apply(env_overrides(ENV_PREFIX), source="environment")
+        self.apply(env_overrides(ENV_PREFIX), source="environment", env_prefix=ENV_PREFIX)
         return self
 
     # ---------------------------------------------------------------- helpers
-    def apply(self, data: Mapping[str, Any], *, source: str = "config", validate: bool = True) -> None:
+    def apply(
+        self, data: Mapping[str, Any], *, source: str = "config", validate: bool = True, env_prefix: str | None = None
+    ) -> None:
         """Set keys from ``data`` (validated unless ``validate`` is false); unknown keys
         are warned about and skipped; LMCache 0.5.6 keys are handled as
-        :mod:`lmcache.v1.config_compat` says."""
+        :mod:`lmcache.v1.config_compat` says.
+
+        A bad value raises :class:`ConfigError` prefixed with ``source`` (a file path,
+        "environment", ...); with ``env_prefix`` the key is named as the env variable.
+        """
         ours = {str(k).lower() for k in data}
         for raw_key, value in data.items():
             key = str(raw_key).lower()
@@ -332,13 +358,20 @@ class LMCacheEngineConfig:
                 if key is None:
                     continue
                 parser = _PARSERS[key]
-            setattr(self, key, parser(key, value))
+            try:
+                setattr(self, key, parser(key, value))
+            except ConfigError as exc:
+                where = f"{env_prefix}{str(raw_key).upper()}" if env_prefix else source
+                raise ConfigError(f"{where}: {exc}") from None
             if key == "extra_config":
                 for name in self.extra_config or {}:
                     if name not in EXTRA_CONFIG_KEYS:
                         warn_unknown_key(name, source, known=EXTRA_CONFIG_KEYS, prefix="extra_config.")
         if validate:
-            self.validate()
+            try:
+                self.validate()
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}") from None
 
     def validate(self) -> None:
         """Check cross-field rules; raises ConfigError."""
@@ -364,6 +397,8 @@ class LMCacheEngineConfig:
                 f"remote_url={mask_url(self.remote_url)!r}: expected a URL such as redis://host:port, "
                 "rediss://host:port, unix:///path or redis-cluster://host:port,host:port"
             )
+        if self.log_summary_interval < 0:
+            raise ConfigError(f"log_summary_interval={self.log_summary_interval!r}: expected seconds >= 0 (0 = off)")
         if self.enable_hidden_state_cache and self.max_hidden_state_cpu_size <= 0:
             raise ConfigError(
                 f"max_hidden_state_cpu_size={self.max_hidden_state_cpu_size!r}: expected a size in GiB > 0 "

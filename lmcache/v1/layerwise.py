@@ -352,10 +352,12 @@ def _retrieve_steps(
         hit = _pin_prefix(sm, keys, state) if spans else 0
         spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
         reads = None
+        sources: list[list[str]] = []
+        chunk_bytes = [0] * hit
         if hit:
             loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
             next(loader)
-            reads = sm.layerwise_batched_get(keys)
+            reads = sm.layerwise_batched_get(keys, sources=sources)
             state.inflight = next(reads)
         yield None
         # ---- calls 1..num_layers: one layer each
@@ -372,6 +374,8 @@ def _retrieve_steps(
                     hit = ok
                 _release(got[hit:])
                 objs = [o for o in got[:hit] if o is not None]
+                for i, o in enumerate(objs):
+                    chunk_bytes[i] += o.get_size()
                 handle = None
                 try:
                     handle = loader.send(objs)
@@ -386,6 +390,9 @@ def _retrieve_steps(
         if hit:
             req.mark_written(ret, spans[0].start, spans[hit - 1].end)
         _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
+        if hit:
+            tiers = [h[0] if h else "unknown" for h in sources[:hit]]
+            engine.count_loaded(spans[:hit], tiers, chunk_bytes[:hit], ret)
         engine.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
         yield ret
     finally:

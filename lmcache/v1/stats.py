@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 from dataclasses import dataclass, field
+
+TIERS = ("cpu", "disk", "remote")
+"""Tier labels, L1 first."""
 
 
 @dataclass(slots=True)
@@ -36,9 +40,22 @@ class CacheStats(Counters):
     stored_tokens: int = 0
     store_skipped_chunks: int = 0
     """Chunks not stored because the pool had no room even after eviction."""
+    stored_bytes: int = 0
+    """Payload bytes of the chunks counted in ``stored_tokens`` (written to the CPU tier)."""
     retrieve_requests: int = 0
     requested_tokens: int = 0
     hit_tokens: int = 0
+    """Tokens a retrieve returned as cached (its mask), including positions the caller
+    did not ask to have written (slot -1, e.g. the prompt's last token vLLM recomputes)."""
+    hit_tokens_cpu: int = 0
+    """Tokens whose KV was loaded into the caller's KV cache from the CPU tier. Counted
+    after the copy succeeded (a failed load is a miss); see also ``_disk``/``_remote``."""
+    hit_tokens_disk: int = 0
+    hit_tokens_remote: int = 0
+    hit_bytes_cpu: int = 0
+    """Payload bytes read from the CPU tier for those loads (likewise ``_disk``/``_remote``)."""
+    hit_bytes_disk: int = 0
+    hit_bytes_remote: int = 0
     lookup_requests: int = 0
     lookup_tokens: int = 0
     lookup_hit_tokens: int = 0
@@ -47,3 +64,62 @@ class CacheStats(Counters):
     corrupt_entries: int = 0
     """Stored entries that did not fit the request's layout (shape/dtype/format): served as
     misses and removed from every tier."""
+
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the latency histograms; the last bucket is +Inf."""
+
+
+class LatencyHistogram:
+    """Cumulative latency histogram (bucket counts, count, sum), thread-safe.
+
+    :meth:`observe` is cheap (one bisect under a lock). When an exporter is attached
+    (:meth:`start_export`), raw observations are also kept until :meth:`drain` takes
+    them (at most ``max_pending``; older ones beyond that are dropped from the export
+    only, never from the cumulative numbers).
+    """
+
+    __slots__ = ("buckets", "_counts", "_count", "_sum", "_pending", "_export", "_max_pending", "_lock")
+
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS, *, max_pending: int = 10_000) -> None:
+        self.buckets = buckets
+        self._counts = [0] * (len(buckets) + 1)
+        self._count = 0
+        self._sum = 0.0
+        self._pending: list[float] = []
+        self._export = False
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, seconds)] += 1
+            self._count += 1
+            self._sum += seconds
+            if self._export and len(self._pending) < self._max_pending:
+                self._pending.append(seconds)
+
+    def start_export(self) -> None:
+        """Keep raw observations for :meth:`drain` from now on."""
+        with self._lock:
+            self._export = True
+
+    def drain(self) -> list[float]:
+        """Observations since the last drain (empty unless exporting)."""
+        with self._lock:
+            out, self._pending = self._pending, []
+            return out
+
+    def snapshot(self, prefix: str) -> dict[str, float]:
+        """``{prefix_count: n, prefix_sum: seconds}`` (cumulative)."""
+        with self._lock:
+            return {f"{prefix}_count": self._count, f"{prefix}_sum": self._sum}
+
+    def bucket_counts(self) -> list[int]:
+        """Cumulative count per bucket bound (``le`` semantics), then the +Inf total."""
+        with self._lock:
+            out, running = [], 0
+            for n in self._counts:
+                running += n
+                out.append(running)
+            return out

@@ -27,6 +27,8 @@ class StorageBackend(ABC):
     """
 
     name: str = "backend"
+    tier: str = "other"
+    """Tier label in stats, metrics and logs: "cpu", "disk" or "remote"."""
 
     @abstractmethod
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:

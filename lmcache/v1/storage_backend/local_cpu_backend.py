@@ -26,6 +26,8 @@ class LocalCPUBackend(StorageBackend):
     resident.
     """
 
+    tier = "cpu"
+
     name = "LocalCPUBackend"
 
     def __init__(

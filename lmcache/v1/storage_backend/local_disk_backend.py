@@ -196,6 +196,8 @@ class LocalDiskBackend(StorageBackend):
     the caller. Puts still in the queue are served from their memory object.
     """
 
+    tier = "disk"
+
     name = "LocalDiskBackend"
 
     def __init__(self, config: LMCacheEngineConfig, local_cpu: LocalCPUBackend, namespace: str = "kv") -> None:

@@ -203,6 +203,8 @@ class RemoteBackend(StorageBackend):
     server only opens the breaker.
     """
 
+    tier = "remote"
+
     name = "RemoteBackend"
 
     def __init__(

@@ -106,11 +106,15 @@ class StorageManager:
                 return obj
         return None
 
-    def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+    def batched_get(
+        self, keys: Sequence[CacheEngineKey], *, sources: list[str] | None = None
+    ) -> list[MemoryObj | None]:
         """Objects for a prefix of ``keys``; entries after the first miss are None.
 
         The L1 prefix is read inline; the rest is read from the lower tiers in parallel
-        (their reader threads), not one blocking read after another.
+        (their reader threads), not one blocking read after another. If ``sources`` is
+        given, the tier (``StorageBackend.tier``: "cpu", "disk", "remote") of each
+        returned object is appended to it, in order.
         """
         out: list[MemoryObj | None] = []
         for key in keys:
@@ -118,8 +122,14 @@ class StorageManager:
             if obj is None:
                 break
             out.append(obj)
+        n_l1 = len(out)
+        holders: list[list[str]] = [[] for _ in keys[n_l1:]]
         if len(out) < len(keys):
-            out += _gather_prefix([self.get_non_blocking(k) for k in keys[len(out) :]]).result()
+            futures = [self._get_non_blocking(k, h) for k, h in zip(keys[n_l1:], holders)]
+            out += _gather_prefix(futures).result()
+        if sources is not None:
+            sources.extend(self.local_cpu.tier for _ in range(n_l1))
+            sources.extend(h[0] if h else "unknown" for h, o in zip(holders, out[n_l1:]) if o is not None)
         # touch from tail to head so the head stays most recent
         for key, obj in zip(reversed(keys), reversed(out)):
             if obj is not None:
@@ -130,14 +140,20 @@ class StorageManager:
         """Future of :meth:`get`. Lower tiers are asked in order with their own
         non-blocking read (a miss is the read's answer: no separate existence round
         trip); a hit is promoted into L1."""
+        return self._get_non_blocking(key, None)
+
+    def _get_non_blocking(self, key: CacheEngineKey, source: list[str] | None) -> Future[MemoryObj | None]:
+        """:meth:`get_non_blocking`; a hit appends its tier name to ``source``."""
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
+            if source is not None:
+                source.append(self.local_cpu.tier)
             return _done(obj)
         out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out)
+        self._read_from(key, 0, out, source)
         return out
 
-    def _read_from(self, key: CacheEngineKey, tier: int, out: Future) -> None:
+    def _read_from(self, key: CacheEngineKey, tier: int, out: Future, source: list[str] | None = None) -> None:
         """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
         if tier == len(self.lower):
             out.set_result(None)
@@ -146,22 +162,28 @@ class StorageManager:
         def _done_reading(fut: Future) -> None:
             obj = None if fut.cancelled() or fut.exception() is not None else fut.result()
             if obj is None:
-                self._read_from(key, tier + 1, out)
+                self._read_from(key, tier + 1, out, source)
                 return
+            if source is not None:
+                source.append(self.lower[tier].tier)
             self.local_cpu.submit_put(key, obj)
             out.set_result(obj)
 
         self.lower[tier].get_non_blocking(key).add_done_callback(_done_reading)
 
-    def layerwise_batched_get(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> Iterator[Future]:
+    def layerwise_batched_get(
+        self, keys_per_layer: Sequence[Sequence[CacheEngineKey]], *, sources: list[list[str]] | None = None
+    ) -> Iterator[Future]:
         """Yield one Future per layer; its result is the list of that layer's objects.
 
         Each list holds objects (one reference each, owned by the caller) for a prefix of
         the layer's keys and None from the first miss on. Layer ``i+1``'s reads are
         started only when the consumer asks for the next future, so layer ``i`` is
-        available as early as possible.
+        available as early as possible. ``sources`` (optional) receives one list per key
+        of the first layer; once that layer's future is done, a hit's list holds its
+        tier name.
         """
-        for keys in keys_per_layer:
+        for layer, keys in enumerate(keys_per_layer):
             # L1 hits are read inline (no per-key future); the rest go to the tiers' futures.
             resident: list[MemoryObj] = []
             for key in keys:
@@ -169,10 +191,16 @@ class StorageManager:
                 if obj is None:
                     break
                 resident.append(obj)
+            holders: list[list[str]] = [[self.local_cpu.tier] for _ in resident]
+            holders += [[] for _ in keys[len(resident) :]]
+            if sources is not None and layer == 0:
+                sources.extend(holders)
             if len(resident) == len(keys):
                 yield _done(resident)
                 continue
-            futures = [_done(o) for o in resident] + [self.get_non_blocking(k) for k in keys[len(resident) :]]
+            futures = [_done(o) for o in resident] + [
+                self._get_non_blocking(k, h) for k, h in zip(keys[len(resident) :], holders[len(resident) :])
+            ]
             yield _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups

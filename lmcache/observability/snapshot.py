@@ -1,0 +1,118 @@
+"""One flat dict of numbers per engine: the in-process stats API, metrics and summaries.
+
+:func:`engine_snapshot` reads every counter set of a KV engine (``CacheStats``, the
+disk and remote tiers' counters, the hidden-state store's) plus its gauges (pool
+bytes used and capacity per tier, remote availability) and its latency histograms'
+count and sum. Prometheus metrics (:mod:`.metrics`), the periodic summary
+(:mod:`.summary`), ``collect_stats`` and ``lmcache stats`` are all computed from
+this dict, so they always agree.
+
+Keys (all numbers; counters only grow):
+
+* engine counters, unprefixed: ``lookup_requests``, ``lookup_tokens``,
+  ``lookup_hit_tokens``, ``retrieve_requests``, ``requested_tokens``, ``hit_tokens``,
+  ``hit_tokens_{cpu,disk,remote}``, ``hit_bytes_{cpu,disk,remote}``,
+  ``store_requests``, ``stored_tokens``, ``stored_bytes``, ``store_skipped_chunks``,
+  ``evictions``, ``load_errors``;
+* ``{store,retrieve,lookup}_seconds_{count,sum}``;
+* ``disk_<counter>`` / ``remote_<counter>`` / ``hidden_<counter>``: the tier's own
+  counters (:class:`DiskTierStats`, :class:`RemoteStats`, :class:`HiddenStateStats`);
+* gauges: ``pool_used_bytes_{cpu,disk}``, ``pool_capacity_bytes_{cpu,disk}``,
+  ``hidden_pool_used_bytes``, ``hidden_pool_capacity_bytes``, ``remote_available``
+  (1 = reachable, 0 = breaker open or disabled; absent without a remote tier).
+
+Thread-safety: any thread; each counter set is read under its own lock (the sets are
+not read atomically together, which is fine for monitoring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmcache.v1.cache_engine import LMCacheEngine
+
+GAUGE_KEYS = frozenset(
+    {
+        "pool_used_bytes_cpu",
+        "pool_capacity_bytes_cpu",
+        "pool_used_bytes_disk",
+        "pool_capacity_bytes_disk",
+        "hidden_pool_used_bytes",
+        "hidden_pool_capacity_bytes",
+        "remote_available",
+    }
+)
+"""Snapshot keys that are current values, not counters."""
+
+PER_REQUEST_KEYS = frozenset(
+    {
+        "lookup_requests",
+        "lookup_tokens",
+        "lookup_hit_tokens",
+        "retrieve_requests",
+        "requested_tokens",
+        "hit_tokens",
+        "hit_tokens_cpu",
+        "hit_tokens_disk",
+        "hit_tokens_remote",
+        "store_requests",
+        "stored_tokens",
+        "hidden_retrieve_requests",
+        "hidden_hit_tokens",
+        "hidden_stored_tokens",
+    }
+)
+"""Counters of tokens and requests: every tensor-parallel rank sees the same request
+and counts the same tokens (each for its own KV shard), so across ranks they are
+taken from rank 0 only, never summed. Everything else (bytes, errors, evictions,
+pool sizes) is per shard and summed."""
+
+
+def engine_snapshot(engine: LMCacheEngine) -> dict[str, float]:
+    """Every counter and gauge of ``engine`` (see the module docstring for the keys)."""
+    out: dict[str, float] = dict(engine.stats.snapshot())
+    latency = getattr(engine, "latency", None) or {}
+    for op, hist in latency.items():
+        out.update(hist.snapshot(f"{op}_seconds"))
+    sm = engine.storage_manager
+    out["pool_used_bytes_cpu"] = sm.allocator.used_bytes
+    out["pool_capacity_bytes_cpu"] = sm.allocator.capacity
+    for backend in sm.lower:
+        tier = getattr(backend, "tier", "other")
+        stats = getattr(backend, "stats", None)
+        if stats is not None and tier in ("disk", "remote"):
+            out.update({f"{tier}_{k}": v for k, v in stats.snapshot().items()})
+        if tier == "disk":
+            out["pool_used_bytes_disk"] = backend.used_bytes
+            out["pool_capacity_bytes_disk"] = backend.capacity_bytes
+        elif tier == "remote":
+            out["remote_available"] = 1 if backend.available else 0
+    hs = getattr(engine, "hidden_state_store", None)
+    if hs is not None:
+        out.update({f"hidden_{k}": v for k, v in hs.stats.snapshot().items()})
+        out["hidden_pool_used_bytes"] = hs.allocator.used_bytes
+        out["hidden_pool_capacity_bytes"] = hs.allocator.capacity
+    return out
+
+
+def merge_rank_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Snapshots of the tensor-parallel ranks of one model (rank 0 first) as one dict.
+
+    Per-request counters (:data:`PER_REQUEST_KEYS`) come from rank 0; everything else
+    is summed. Keys missing in some ranks count as 0.
+    """
+    snaps = list(snapshots)
+    total: dict[str, float] = {}
+    for rank, snap in enumerate(snaps):
+        for key, value in snap.items():
+            if key in PER_REQUEST_KEYS and rank > 0:
+                continue
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def loaded_tokens(snap: Mapping[str, Any]) -> int:
+    """Tokens loaded from any tier (``hit_tokens_cpu + _disk + _remote``)."""
+    return int(sum(snap.get(f"hit_tokens_{t}", 0) for t in ("cpu", "disk", "remote")))
