@@ -23,10 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
 if TYPE_CHECKING:
     import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -36,7 +38,15 @@ if TYPE_CHECKING:
 
 
 class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
-    """vLLM KV connector backed by lmcache (loadable via ``kv_connector_module_path``)."""
+    """vLLM KV connector backed by lmcache (loadable via ``kv_connector_module_path``).
+
+    Unlike vLLM's built-in wrapper it forwards vLLM's connector-metrics hooks, so the
+    ``lmcache_*`` metrics appear in vLLM's ``/metrics`` with nothing to set
+    (:mod:`.metrics`, route a).
+    """
+
+    forwards_connector_stats = True
+    """Read by the impl: metrics go through :meth:`get_kv_connector_stats`."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -77,6 +87,25 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._impl.close()
+
+    # ------------------------------------------------------------------ metrics (route a)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._impl.get_kv_connector_stats()
+        return LMCacheKVConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return LMCacheKVConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return LMCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -110,7 +110,7 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
     return AdapterSettings(
         config=config,
         engine_id=str(ktc.engine_id),
-        model_name=str(model.model),
+        model_name=config.model_namespace or str(model.model),
         world_size=int(parallel.tensor_parallel_size),
         block_size=int(vllm_config.cache_config.block_size),
         enable_load=role in ("kv_both", "kv_consumer"),

@@ -134,28 +134,37 @@ def unregister_scheduler_stats(engine_id: str, snapshot: Any) -> None:
 
 
 def sum_stats(snapshots: Iterable[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for snap in snapshots:
-        for key, value in snap.items():
-            total[key] = total.get(key, 0) + int(value)
-    return total
+    """Snapshots of a model's tensor-parallel ranks (rank 0 first) as one dict; see
+    :func:`lmcache.observability.snapshot.merge_rank_snapshots`."""
+    from lmcache.observability.snapshot import merge_rank_snapshots
+
+    return merge_rank_snapshots(snapshots)  # type: ignore[return-value]
 
 
 def collect_stats(
     engine_id: str, world_size: int = 1, *, socket_dir: str | None = None, timeout: float = 5.0
 ) -> dict[str, int] | None:
-    """lmcache's counters (``CacheStats``) of a vLLM instance, summed over its workers.
+    """lmcache's counters and gauges of a vLLM instance, merged over its workers.
 
-    Reads the engines in this process when they are here (single-process vLLM),
-    otherwise asks each worker's lookup server. None if no worker answers. When the
-    scheduler side lives in this process too, its ``scheduler_*`` counters are added.
+    The keys are those of :func:`lmcache.observability.snapshot.engine_snapshot`
+    (engine counters, ``hit_tokens_{cpu,disk,remote}``, ``disk_*``/``remote_*`` tier
+    counters, pool gauges, latency counts/sums); they are the numbers the Prometheus
+    metrics report (docs/observability.md). Per-request counters come from rank 0,
+    the rest is summed over ranks.
+
+    Reads the engines in this process when they are here (single-process vLLM, the
+    offline ``LLM`` class), otherwise asks each worker's lookup server. None if no
+    worker answers. When the scheduler side lives in this process too, its
+    ``scheduler_*`` counters are added.
     """
+    from lmcache.observability.snapshot import engine_snapshot
+
     with _SCHEDULER_STATS_LOCK:
         sched = _SCHEDULER_STATS.get(engine_id)
     extra = sched() if sched is not None else {}
     engines = [engine_for(engine_id, r) for r in range(world_size)]
     if all(e is not None for e in engines):
-        return {**sum_stats(e.stats.snapshot() for e in engines if e is not None), **extra}
+        return {**sum_stats(engine_snapshot(e) for e in engines if e is not None), **extra}
     from lmcache.integration.vllm.lookup_service import LookupClient
 
     paths = [socket_path(socket_dir or default_socket_dir(), engine_id, r) for r in range(world_size)]

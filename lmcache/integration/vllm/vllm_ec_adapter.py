@@ -41,7 +41,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from lmcache.v1.config import LMCacheEngineConfig, load_ec_engine_config
+from lmcache.v1.config import ConfigError, LMCacheEngineConfig, load_ec_engine_config
 from lmcache.v1.ec_engine import ECCacheEngine, ECStats
 from lmcache.v1.metadata import dtype_name
 
@@ -195,11 +195,15 @@ class LMCacheECConnectorImpl:
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole, parent: ECConnectorBase) -> None:
         self._parent = parent
         self.role = role
+        try:  # first: a bad configuration fails before anything is built, in one readable line
+            self.config = load_ec_engine_config()
+        except ConfigError as exc:
+            logger.error("lmcache encoder cache configuration error: %s", exc)
+            raise
         model_config = vllm_config.model_config
-        self.model_name: str = model_config.model
+        self.model_name: str = self.config.model_namespace or model_config.model
         self.encoder_dtype: torch.dtype = model_config.dtype
         self.device = _target_device(vllm_config)
-        self.config = load_ec_engine_config()
         self.engine = acquire_ec_engine(self.config, self.model_name, self.encoder_dtype)
         # scheduler-side state; created on both roles, used on the scheduler only
         self._mm_hashes_need_loads: dict[str, int] = {}

@@ -50,7 +50,12 @@ from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_en
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
 from lmcache.integration.vllm.utils import WarnOnce, instance_id, socket_path
 from lmcache.integration.vllm.worker_side import WorkerConnector
+from lmcache.observability.logs import setup_logging, startup_line
+from lmcache.observability.metrics import StatsDelta
+from lmcache.observability.snapshot import engine_snapshot
+from lmcache.observability.summary import SummaryLogger
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
+from lmcache.v1.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +96,17 @@ class LMCacheConnectorV1Impl:
     """
 
     def __init__(self, vllm_config: Any, role: Any, parent: Any = None) -> None:
+        setup_logging()
         self._parent = parent
         self.vllm_config = vllm_config
-        self.settings: AdapterSettings = settings_from_vllm(vllm_config)
+        try:  # first: a bad configuration fails before anything is built, in one readable line
+            self.settings: AdapterSettings = settings_from_vllm(vllm_config)
+        except ConfigError as exc:
+            logger.error("lmcache configuration error: %s", exc)
+            raise
+        self.stats_delta: StatsDelta | None = None
+        self._summary: SummaryLogger | None = None
+        self._exporter: Any = None
         self.is_scheduler = _is_scheduler(role)
         self.scheduler: SchedulerConnector | None = None
         self.worker: WorkerConnector | None = None
@@ -114,15 +127,39 @@ class LMCacheConnectorV1Impl:
             self.engine = create_engine(self.settings, self.rank)
             self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise)
             self._start_server()
+            self._start_observability(parent)
         atexit.register(self.close)
-        logger.info(
-            "lmcache connector (%s) for %s: chunk_size=%d, layerwise=%s, world_size=%d",
-            "scheduler" if self.is_scheduler else f"worker rank {self.rank}",
-            self.settings.model_name,
-            self.settings.chunk_size,
-            self.settings.config.use_layerwise,
-            self.settings.world_size,
-        )
+        if self.is_scheduler:
+            logger.info(
+                "lmcache connector (scheduler) for %s: chunk_size=%d, world_size=%d",
+                self.settings.model_name,
+                self.settings.chunk_size,
+                self.settings.world_size,
+            )
+
+    def _start_observability(self, parent: Any) -> None:
+        """Startup line, periodic summary, and the metrics route of this worker."""
+        engine = self.engine
+        assert engine is not None
+        who = f"worker rank {self.rank} of {self.settings.world_size}, model {self.settings.model_name}"
+        logger.info("%s", startup_line(self.settings.config, who=who, model_namespace=engine.metadata.model_name))
+        snapshot = lambda: engine_snapshot(engine)  # noqa: E731
+        self._summary = SummaryLogger(snapshot, self.settings.config.log_summary_interval, f"worker rank {self.rank}")
+        self.stats_delta = StatsDelta(snapshot, rank=self.rank, latency=engine.latency)
+        if getattr(parent, "forwards_connector_stats", False):
+            return  # route (a): the Dynamic connector hands our payloads to vLLM
+        from lmcache.integration.vllm.metrics import MultiprocExporter
+
+        if MultiprocExporter.enabled():
+            try:
+                self._exporter = MultiprocExporter(self.stats_delta, self.vllm_config)
+            except Exception as exc:  # noqa: BLE001 - metrics never stop the cache
+                logger.warning("lmcache metrics: multiprocess export unavailable (%s: %s)", type(exc).__name__, exc)
+        else:
+            logger.info(
+                "lmcache metrics: not exported to Prometheus (vLLM's built-in LMCacheConnectorV1 does not forward "
+                "connector stats); set PROMETHEUS_MULTIPROC_DIR or use LMCacheConnectorV1Dynamic"
+            )
 
     def _start_server(self) -> None:
         engine, worker = self.engine, self.worker
@@ -136,7 +173,7 @@ class LMCacheConnectorV1Impl:
 
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
-            self._server = LookupServer(path, lookup, engine.stats.snapshot)
+            self._server = LookupServer(path, lookup, lambda: engine_snapshot(engine))
         except OSError as exc:
             logger.warning(
                 "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",
@@ -199,8 +236,24 @@ class LMCacheConnectorV1Impl:
             self.warn("save", "lmcache: save failed (%s: %s)", type(exc).__name__, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads and saves are synchronous: nothing is ever pending."""
+        """Loads and saves are synchronous: nothing is ever pending. (Called once per
+        step: the multiprocess metrics route exports here.)"""
+        if self._exporter is not None:
+            try:
+                self._exporter.step()
+            except Exception as exc:  # noqa: BLE001
+                self.warn("metrics", "lmcache metrics: export failed (%s: %s)", type(exc).__name__, exc)
         return None, None
+
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """This worker's metrics payload since the last call (route a), or None."""
+        if self.stats_delta is None:
+            return None
+        try:
+            return self.stats_delta.collect()
+        except Exception as exc:  # noqa: BLE001
+            self.warn("metrics", "lmcache metrics: stats collection failed (%s: %s)", type(exc).__name__, exc)
+            return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
@@ -235,6 +288,8 @@ class LMCacheConnectorV1Impl:
         if self._closed:
             return
         self._closed = True
+        if self._summary is not None:
+            self._summary.close()
         if self._server is not None:
             self._server.close()
         if self.scheduler is not None:
