@@ -1,0 +1,131 @@
+"""Start vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) for tests.
+
+The server runs under vLLM's default multiprocessing (API server, engine core and
+worker are separate processes), in a session of its own so that every process it
+starts is ended by :meth:`OpenAIServer.stop`. Its output goes to a log file the tests
+read (``[lmcache]`` lines come from the worker process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_utils import REPO_ROOT
+
+DYNAMIC = {
+    "kv_connector": "LMCacheConnectorV1Dynamic",
+    "kv_connector_module_path": "lmcache.integration.vllm.lmcache_connector_v1",
+    "kv_role": "kv_both",
+}
+BUILTIN = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class OpenAIServer:
+    model: str
+    kv_transfer_config: dict[str, Any]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 420.0) -> OpenAIServer:
+        env = dict(os.environ)
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+            }
+        )
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: multiprocessing on
+        env.update(self.env)
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "1024", "--block-size", "32", "--max-num-batched-tokens", "256",
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--kv-transfer-config", json.dumps(self.kv_transfer_config),
+            *self.extra_args,
+        ]  # fmt: skip
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO_ROOT)
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM server exited (rc={rc}):\n{self.log()[-12000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)  # polling the server's health endpoint while it starts
+        self.stop()
+        raise RuntimeError(f"vLLM server did not become healthy in {timeout}s:\n{self.log()[-12000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, PermissionError):
+                pass
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            self.proc = None
+        log = getattr(self, "_log", None)
+        if log is not None:
+            log.close()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

