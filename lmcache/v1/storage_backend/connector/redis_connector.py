@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -157,6 +157,32 @@ class RedisConnector:
     def close(self) -> None:
         """Drop all connections. Idempotent; later calls reconnect."""
         self._topology.close()
+
+    def scan_sizes(self, pattern: str, batch: int = 1000) -> Iterator[tuple[bytes, int]]:
+        """``(key, value bytes)`` of every key matching ``pattern`` on every primary
+        (SCAN + pipelined STRLEN; for tools such as ``lmcache remote ping``, not the
+        cache path). Blocks on I/O; raises RemoteError on failure."""
+        self.ping()  # connected, cluster slot map known
+        for pool in self._topology.all_pools():
+            client = redis.Redis(connection_pool=pool)
+            try:
+                keys: list[bytes] = []
+                for key in client.scan_iter(match=pattern, count=batch):
+                    keys.append(key)
+                    if len(keys) >= batch:
+                        yield from self._strlen(client, keys)
+                        keys = []
+                if keys:
+                    yield from self._strlen(client, keys)
+            except redis.RedisError as exc:
+                raise _translate(exc, None) from None
+
+    @staticmethod
+    def _strlen(client: redis.Redis, keys: list[bytes]) -> list[tuple[bytes, int]]:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(key)
+        return list(zip(keys, (int(n) for n in pipe.execute())))
 
     # ------------------------------------------------------------------ plumbing
     def _scratch(self) -> bytearray:
