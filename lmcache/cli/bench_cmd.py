@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="run the tier benchmarks (ratio tables against this machine's limits)",
         description="Run benchmarks/bench_<tier>_tier.py (all three without TIER). Arguments after '--' go to "
-        "the benchmark script (see its --help). Needs a source checkout of lmcache.",
+        "the benchmark script (see its --help); options of this command go before TIER. Needs a source "
+        "checkout of lmcache.",
     )
     p.add_argument("tier", nargs="?", choices=TIERS, help="cpu, disk or remote (default: all)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="-- then arguments for the benchmark script")
