@@ -333,3 +333,91 @@ def test_model_namespace_lets_two_paths_share_keys():
 
 
 from tests.v1.test_vllm_connector_unit import SPEC as SPEC_UNIT  # noqa: E402
+
+
+# ------------------------------------------------------------------------ KV events
+class EventsMini(MiniVLLM):
+    """MiniVLLM whose steps collect the worker's KV events (``take_kv_events``, the Dynamic route)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.collected: list = []
+        self.drain = True
+
+    def _step(self, so, req, blocks, start, num):
+        meta = self.scheduler.build_connector_meta(so)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self._forward(req, blocks, start, num)
+        self.worker.wait_for_save()
+        if self.drain:
+            self.collected.extend(self.worker.take_kv_events())
+        return self.worker.get_block_ids_with_load_errors()
+
+    def take(self) -> list:
+        out = self.collected + self.worker.take_kv_events()
+        self.collected = []
+        return out
+
+
+def _events_mini(tmp_path, **extra):
+    from types import SimpleNamespace
+
+    cfg = fake_vllm_config(tmp=str(tmp_path), extra=extra)
+    cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
+    return EventsMini(cfg)
+
+
+def test_kv_events_report_stored_and_evicted_chunks_by_tier(tmp_path):
+    from lmcache.integration.vllm.kv_events import RemovedEvent, StoredEvent, chunk_hashes
+
+    disk = tmp_path / "disk"
+    m = _events_mini(tmp_path, **{"lmcache.local_disk": str(disk), "lmcache.max_local_disk_size": 0.01})
+    try:
+        base = prompt(80, 31)
+        m.serve(FakeRequest("a", base))
+        assert m.engine.storage_manager.flush(30)
+        events = m.take()
+        infos = chunk_hashes(m.engine.metadata.model_name, 16, np_array(base), {})
+        stored = [e for e in events if isinstance(e, StoredEvent)]
+        assert {e.medium for e in stored} == {"CPU", "DISK"} and all(e.block_size == 16 for e in stored)
+        cpu = [e for e in stored if e.medium == "CPU"]
+        assert cpu[0].parent_block_hash is None
+        assert [h for e in cpu for h in e.block_hashes] == [i.block_hash for i in infos]  # chained, in order
+        assert [t for e in cpu for t in e.token_ids] == base
+        disk = [h for e in stored if e.medium == "DISK" for h in e.block_hashes]
+        assert sorted(disk) == sorted(i.block_hash for i in infos)
+        assert m.take() == []  # drained
+        # evict: a removal reports the same hashes
+        for key in m.engine.keys(base)[:2]:
+            m.engine.storage_manager.local_cpu.remove(key)
+        removed = [e for e in m.take() if isinstance(e, RemovedEvent)]
+        assert removed == [RemovedEvent([infos[0].block_hash, infos[1].block_hash], "CPU")]
+        # the built-in wrapper's route (get_kv_events) gets stored events only
+        m.drain = False
+        m.engine.storage_manager.local_cpu.remove(m.engine.keys(base)[2])
+        m.serve(FakeRequest("c", prompt(48, 33)))
+        got = m.worker.get_kv_events()
+        assert got and all(isinstance(e, StoredEvent) for e in got)
+        assert {e.medium for e in got} <= {"CPU", "DISK"}
+    finally:
+        m.close()
+
+
+def test_kv_event_hashes_depend_on_namespace_and_extras_not_on_rank():
+    from lmcache.integration.vllm.kv_events import chunk_hashes
+
+    toks = np_array(list(range(40)))
+    a = chunk_hashes("model", 16, toks, {})
+    assert [len(i.token_ids) for i in a] == [16, 16, 8]
+    assert [i.parent_block_hash for i in a] == [None, a[0].block_hash, a[1].block_hash]
+    assert a == chunk_hashes("model", 16, toks, {})
+    assert a[0] != chunk_hashes("other", 16, toks, {})[0]
+    assert a[0] != chunk_hashes("model", 16, toks, {"cache_salt": "t"})[0]
+    assert all(0 <= i.block_hash < 2**63 for i in a)
+
+
+def np_array(tokens):
+    import numpy as np
+
+    return np.asarray(tokens, dtype=np.int32)

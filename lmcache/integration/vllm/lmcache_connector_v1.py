@@ -15,6 +15,7 @@ the same object vLLM's built-in connector drives, so both behave alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -23,6 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
+
+from lmcache.integration.vllm.kv_events import to_vllm_events
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
@@ -34,7 +38,39 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+class LMCacheConnectorKVEvents(KVConnectorKVEvents):
+    """lmcache's KV events of one step, merged over workers (vLLM keeps the events every
+    worker reported; lmcache's event hashes are the same on every tensor-parallel rank)."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._agg = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._agg.add_events(events)
+
+    def aggregate(self) -> LMCacheConnectorKVEvents:
+        common = self._agg.get_common_events()
+        self._agg.clear_events()
+        self._agg.add_events(common)
+        self._agg.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._agg.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return self._agg.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._agg.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._agg.clear_events()
+        self._agg.reset_workers()
 
 
 class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
@@ -53,6 +89,7 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._impl = LMCacheConnectorV1Impl(vllm_config, role, self)
+        self._kv_events: LMCacheConnectorKVEvents | None = None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -87,6 +124,34 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._impl.close()
+
+    # ------------------------------------------------------------------ KV events
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """Worker side, every step: this worker's stored/removed chunk events."""
+        events = self._impl.take_kv_events()
+        if not events:
+            return None
+        out = LMCacheConnectorKVEvents(num_workers=1)
+        out.add_events(to_vllm_events(events))
+        return out
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Scheduler side: collect the workers' events for :meth:`take_events`."""
+        events = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(events, LMCacheConnectorKVEvents):
+            return
+        if self._kv_events is None:
+            self._kv_events = events
+        else:
+            self._kv_events.add_events(events.get_all_events())
+            self._kv_events.increment_workers(events.get_number_of_workers())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler side: the events vLLM's publisher sends this step."""
+        if self._kv_events is None:
+            return ()
+        batch, self._kv_events = self._kv_events, None
+        return batch.aggregate().get_all_events()
 
     # ------------------------------------------------------------------ metrics (route a)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

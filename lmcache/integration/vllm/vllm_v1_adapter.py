@@ -105,6 +105,7 @@ class LMCacheConnectorV1Impl:
             logger.error("lmcache configuration error: %s", exc)
             raise
         self.stats_delta: StatsDelta | None = None
+        self.kv_events: Any = None
         self._summary: SummaryLogger | None = None
         self._exporter: Any = None
         self.is_scheduler = _is_scheduler(role)
@@ -146,6 +147,13 @@ class LMCacheConnectorV1Impl:
         snapshot = lambda: engine_snapshot(engine)  # noqa: E731
         self._summary = SummaryLogger(snapshot, self.settings.config.log_summary_interval, f"worker rank {self.rank}")
         self.stats_delta = StatsDelta(snapshot, rank=self.rank, latency=engine.latency)
+        from lmcache.integration.vllm.kv_events import KVEventRecorder, attach, kv_events_enabled
+
+        if kv_events_enabled(self.vllm_config) and self.worker is not None:
+            self.kv_events = KVEventRecorder(self.settings.chunk_size)
+            attach(self.kv_events, engine)
+            self.worker.events = self.kv_events
+            logger.info("lmcache: reporting KV events (stored/removed chunks per tier) to vLLM's publisher")
         if getattr(parent, "forwards_connector_stats", False):
             return  # route (a): the Dynamic connector hands our payloads to vLLM
         from lmcache.integration.vllm.metrics import MultiprocExporter
@@ -259,8 +267,22 @@ class LMCacheConnectorV1Impl:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
     def get_kv_events(self) -> list[Any]:
-        """KV events are not produced (vLLM calls this every step)."""
-        return []
+        """Stored-chunk events since the last call, for vLLM's built-in wrapper (called every
+        step; it turns each entry into a ``BlockStored``, so removals are not reported on
+        that route). Empty unless vLLM runs with KV events enabled (:mod:`.kv_events`)."""
+        from lmcache.integration.vllm.kv_events import StoredEvent
+
+        return [e for e in self.take_kv_events() if isinstance(e, StoredEvent)]
+
+    def take_kv_events(self) -> list[Any]:
+        """Stored and removed events since the last call (worker side), oldest first."""
+        if self.kv_events is None:
+            return []
+        try:
+            return self.kv_events.drain()
+        except Exception as exc:  # noqa: BLE001
+            self.warn("events", "lmcache: KV events dropped (%s: %s)", type(exc).__name__, exc)
+            return []
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:

@@ -90,6 +90,19 @@ class WorkerConnector:
         self._retrievals: list[_Retrieval] = []
         self._storages: list[_Storage] | None = None
         self.warn = WarnOnce(logger)
+        self.events: Any = None
+        """A :class:`~.kv_events.KVEventRecorder` when vLLM publishes KV events."""
+
+    def _describe(self, req: ReqMeta, n: int) -> None:
+        """Describe the first ``n`` tokens' chunks to the KV-event recorder (if any)."""
+        if self.events is None:
+            return
+        from lmcache.integration.vllm.kv_events import describe_request
+
+        try:
+            describe_request(self.events, self.engine, req.token_ids[:n], req.key_extras)
+        except Exception as exc:  # noqa: BLE001 - events never break loads or saves
+            self.warn("events", "lmcache: KV events unavailable for %s (%s: %s)", req.req_id, type(exc).__name__, exc)
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -221,6 +234,8 @@ class WorkerConnector:
         return req.token_ids[:n], chunk_mask(n, spec.num_local, self.chunk_size), kwargs
 
     def _load_bulk(self, req: ReqMeta) -> None:
+        assert req.load is not None
+        self._describe(req, req.load.load_len)
         try:
             tokens, mask, kwargs = self._load_args(req)
             ret = self.engine.retrieve(tokens, mask, **kwargs)
@@ -272,6 +287,8 @@ class WorkerConnector:
         self.warn(kind, msg, *args)
 
     def _start_retrieval(self, req: ReqMeta, *, last: bool) -> None:
+        assert req.load is not None
+        self._describe(req, req.load.load_len)
         before = self.engine.stats.load_errors
         try:
             tokens, mask, kwargs = self._load_args(req)
@@ -319,6 +336,8 @@ class WorkerConnector:
         return req.token_ids[: spec.end], chunk_mask(spec.end, spec.skip, self.chunk_size), kwargs
 
     def _store_whole(self, req: ReqMeta) -> None:
+        assert req.save is not None
+        self._describe(req, req.save.end)
         try:
             tokens, mask, kwargs = self._save_args(req)
             self.engine.store(tokens, mask, **kwargs)  # the layerwise engine runs a whole generator
@@ -326,6 +345,8 @@ class WorkerConnector:
             self.warn("save", "lmcache: save of %s failed (%s: %s); skipped", req.req_id, type(exc).__name__, exc)
 
     def _start_storage(self, req: ReqMeta, *, first: bool) -> None:
+        assert req.save is not None
+        self._describe(req, req.save.end)
         try:
             tokens, mask, kwargs = self._save_args(req)
             gen = self.engine.store_layer(tokens, mask, sync=first, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -29,6 +29,20 @@ class StorageBackend(ABC):
     name: str = "backend"
     tier: str = "other"
     """Tier label in stats, metrics and logs: "cpu", "disk" or "remote"."""
+    listener: Callable[[str, str, list[CacheEngineKey]], None] | None = None
+    """Optional ``listener(kind, tier, keys)`` told when entries become readable in this
+    tier (``"stored"``: insert, completed write) or stop being (``"removed"``: eviction,
+    removal, corrupt entry dropped); not on shutdown. Called on the thread that did it,
+    possibly under the tier's lock: it must be quick and never call back into a tier.
+    Set by the owner before use (vLLM KV events, :mod:`lmcache.integration.vllm.kv_events`)."""
+
+    def _notify(self, kind: str, keys: list[CacheEngineKey]) -> None:
+        listener = self.listener
+        if listener is not None and keys:
+            try:
+                listener(kind, self.tier, keys)
+            except Exception:  # noqa: BLE001 - an observer never breaks the cache
+                pass
 
     @abstractmethod
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:

@@ -54,19 +54,20 @@ class LocalCPUBackend(StorageBackend):
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         if not self.allocator.can_ever_fit(nbytes):
             return None
-        evicted = 0
+        evicted: list[CacheEngineKey] = []
         with self._lock:
             for key in self.policy.victims():
                 victim = self._objs.get(key)
                 if victim is None or victim.is_pinned or victim.ref_count > 1:
                     continue
                 self._drop_locked(key)
-                evicted += 1
+                evicted.append(key)
                 obj = self.allocator.allocate(shape, dtype, fmt)
                 if obj is not None:
                     break
         if evicted and self._on_evict is not None:
-            self._on_evict(evicted)
+            self._on_evict(len(evicted))
+        self._notify("removed", evicted)
         return obj
 
     # ------------------------------------------------------------------ contract
@@ -103,6 +104,7 @@ class LocalCPUBackend(StorageBackend):
             obj.ref_count_up()
             self._objs[key] = obj
             self.policy.on_insert(key)
+        self._notify("stored", [key])
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         with self._lock:
@@ -124,7 +126,8 @@ class LocalCPUBackend(StorageBackend):
             if key not in self._objs:
                 return False
             self._drop_locked(key)
-            return True
+        self._notify("removed", [key])
+        return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         with self._lock:

@@ -370,6 +370,7 @@ class LocalDiskBackend(StorageBackend):
                 self._unlink(victim.name)
             self._index.commit(DiskEntry(key, name, header.meta, header.header_len, st.st_size), st.st_size)
         self.stats.add(adopted=1, evictions=len(victims))
+        self._notify("removed", [v.key for v in victims])
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
@@ -441,6 +442,7 @@ class LocalDiskBackend(StorageBackend):
                 self._unwritten.add(item.seq)
         if booked or victims:
             self.stats.add(puts_accepted=len(booked), evictions=len(victims))
+        self._notify("removed", [v.key for v in victims])
 
     def _drop_queue_full(self, count: int) -> None:
         self.stats.add(puts_dropped_queue_full=count)
@@ -497,6 +499,8 @@ class LocalDiskBackend(StorageBackend):
             entry = self._index.pop(key)
             if entry is not None:
                 self._unlink(entry.name)
+        if entry is not None:
+            self._notify("removed", [key])
         return pending is not None or entry is not None
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -590,8 +594,11 @@ class LocalDiskBackend(StorageBackend):
 
     def _drop_bad(self, entry: DiskEntry) -> None:
         with self._lock:
-            if self._index.discard(entry):
+            dropped = self._index.discard(entry)
+            if dropped:
                 self._unlink(entry.name)
+        if dropped:
+            self._notify("removed", [entry.key])
 
     # ------------------------------------------------------------------ writes
     def _reap(self) -> None:
@@ -652,6 +659,7 @@ class LocalDiskBackend(StorageBackend):
                 self._to_sync.append(item.seq)
                 self.stats.add(writes_completed=1, bytes_written=item.size)
                 self._finish_locked(item)
+            self._notify("stored", [item.key])
         except (OSError, ValueError) as exc:
             remove_quiet(tmp)  # write_entry removed its own partial file; this covers a failed rename
             if isinstance(exc, OSError) and exc.errno in _FULL and not item.cancelled:
@@ -694,6 +702,7 @@ class LocalDiskBackend(StorageBackend):
             fits = self._index.used + self._index.reserved <= new
         if victims:
             self.stats.add(evictions=len(victims))
+            self._notify("removed", [v.key for v in victims])
         self._log_once(
             logging.WARNING,
             "full",

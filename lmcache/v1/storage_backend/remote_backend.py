@@ -323,7 +323,7 @@ class RemoteBackend(StorageBackend):
             self._inflight_keys.add(rkey)
         obj.ref_count_up()
         try:
-            self._writer.submit(self._write, rkey, obj, size)
+            self._writer.submit(self._write, rkey, obj, size, key)
         except RuntimeError:  # executor shut down by a concurrent close()
             self._write_done(rkey, obj, size)
             self.stats.add(put_skipped=1)
@@ -415,7 +415,7 @@ class RemoteBackend(StorageBackend):
         self.connector.close()
 
     # ------------------------------------------------------------------ writes
-    def _write(self, rkey: str, obj: MemoryObj, size: int) -> None:
+    def _write(self, rkey: str, obj: MemoryObj, size: int, key: CacheEngineKey | None = None) -> None:
         try:
             if self._disabled is not None or not self.breaker.allow():
                 self.stats.add(put_skipped=1)
@@ -424,6 +424,8 @@ class RemoteBackend(StorageBackend):
             header = encode_header(rkey, obj.meta, payload_checksum(payload), align=8)
             self.connector.set(rkey, [header, payload])
             self.stats.add(puts=1, put_bytes=len(header) + size)
+            if key is not None:
+                self._notify("stored", [key])
         except RemoteError as exc:
             self.stats.add(put_errors=1)
             self._failed(exc, "write")
