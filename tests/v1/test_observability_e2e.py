@@ -14,11 +14,12 @@ still there, and that the server log has the ``[lmcache]`` startup and summary l
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
-from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, metric_value
+from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
 from tests.vllm_utils import tiny_llama_dir, vllm_available  # noqa: F401
 
 pytestmark = [
@@ -32,12 +33,14 @@ PROMPT = [(i * 7 + 3) % 900 + 10 for i in range(300)]  # 4 whole chunks + 44 tok
 EXPECTED_CACHED = 4 * CHUNK
 
 
-def _server(tmp_path_factory, model, name: str, ktc: dict, env: dict[str, str]) -> OpenAIServer:
+def _server(
+    tmp_path_factory, model, name: str, ktc: dict, env: dict[str, str], extra_yaml: str = "", args: list[str] = ()
+) -> OpenAIServer:
     tmp = tmp_path_factory.mktemp(name)
     cfg = tmp / "lmcache.yaml"
-    cfg.write_text(f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n")
+    cfg.write_text(f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n{extra_yaml}")
     env = {"LMCACHE_CONFIG_FILE": str(cfg), **env}
-    return OpenAIServer(str(model), ktc, tmp / "server.log", env=env).start()
+    return OpenAIServer(str(model), ktc, tmp / "server.log", env=env, extra_args=list(args)).start()
 
 
 def _two_requests(server: OpenAIServer) -> list[int]:
@@ -89,7 +92,16 @@ def _check(server: OpenAIServer) -> None:
 
 @pytest.fixture(scope="module")
 def dynamic_server(tmp_path_factory, tiny_llama_dir):
-    server = _server(tmp_path_factory, tiny_llama_dir, "route-a", DYNAMIC, {})
+    """Route (a); also a disk tier and vLLM's KV-event publisher (ZMQ) for the events test."""
+    disk = tmp_path_factory.mktemp("route-a-disk")
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}
+    server = _server(
+        tmp_path_factory, tiny_llama_dir, "route-a", DYNAMIC, {},
+        extra_yaml=f"local_disk: {disk}\nmax_local_disk_size: 0.05\n",
+        args=["--kv-events-config", json.dumps(events)],
+    )  # fmt: skip
+    server.kv_events_port = port
     yield server
     server.stop()
 
@@ -108,3 +120,46 @@ def test_route_a_dynamic_connector_metrics_in_vllm_metrics(dynamic_server):
 
 def test_route_b_builtin_connector_with_prometheus_multiproc_dir(builtin_server):
     _check(builtin_server)
+
+
+def test_kv_events_reach_a_zmq_subscriber(dynamic_server):
+    """vLLM's publisher sends lmcache's BlockStored events (CPU, then DISK once written)."""
+    import msgspec
+    import openai
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{dynamic_server.kv_events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    client = openai.OpenAI(base_url=f"{dynamic_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    try:
+        for attempt in range(5):  # a SUB socket only sees messages sent after it joined: retry with a new prompt
+            prompt = [(i * 11 + 5 + attempt) % 900 + 10 for i in range(300)]
+            client.completions.create(model=dynamic_server.model, prompt=prompt, max_tokens=2, temperature=0.0)
+            stored: dict[str, list[BlockStored]] = {}
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and len(stored.get("DISK", [])) < 1:
+                if not sub.poll(500):
+                    continue
+                topic, _seq, payload = sub.recv_multipart()
+                assert topic == b"kv"
+                for ev in decoder.decode(payload).events:
+                    if isinstance(ev, BlockStored) and ev.medium in ("CPU", "DISK"):
+                        stored.setdefault(ev.medium, []).append(ev)
+            cpu = [t for ev in stored.get("CPU", []) for t in ev.token_ids]
+            if cpu == prompt[: 4 * CHUNK]:
+                break
+        else:
+            pytest.fail(f"no lmcache KV events for the prompt; got {stored!r}")
+        cpu_events = stored["CPU"]
+        assert all(ev.block_size == CHUNK for ev in cpu_events)
+        hashes = [h for ev in cpu_events for h in ev.block_hashes]
+        assert len(hashes) == 4 and cpu_events[0].parent_block_hash is None
+        disk_hashes = {h for ev in stored["DISK"] for h in ev.block_hashes}
+        assert disk_hashes and disk_hashes <= set(hashes)
+    finally:
+        sub.close(linger=0)
+        ctx.term()
