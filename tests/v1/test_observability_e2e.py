@@ -132,7 +132,9 @@ def test_kv_events_reach_a_zmq_subscriber(dynamic_server):
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
-    sub.connect(f"tcp://127.0.0.1:{dynamic_server.kv_events_port}")
+    # vLLM's publisher binds wildcard endpoints and connects to others: it was given
+    # tcp://127.0.0.1:PORT, so the subscriber binds there (loopback only)
+    sub.bind(f"tcp://127.0.0.1:{dynamic_server.kv_events_port}")
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     client = openai.OpenAI(base_url=f"{dynamic_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
     try:
