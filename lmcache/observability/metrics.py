@@ -158,8 +158,6 @@ METRICS: tuple[MetricDef, ...] = (
         None,
         (("", ("hidden_pool_used_bytes",)),),
     ),
-    _c("lmcache_encoder_cache_hits", "Encoder-cache (multimodal) gets that returned an entry.", "ec_hits"),
-    _c("lmcache_encoder_cache_misses", "Encoder-cache (multimodal) gets that found nothing usable.", "ec_misses"),
 )
 
 HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
