@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def benchmarks_dir(given: str | None) -> Path | None:
-    candidates = [Path(given)] if given else [Path(__file__).resolve().parents[2] / "benchmarks", Path.cwd() / "benchmarks"]
+    source_checkout = Path(__file__).resolve().parents[2] / "benchmarks"
+    candidates = [Path(given)] if given else [source_checkout, Path.cwd() / "benchmarks"]
     for c in candidates:
         if (c / "bench_cpu_tier.py").is_file():
             return c
@@ -54,7 +55,8 @@ def run_bench(args: argparse.Namespace) -> int:
     worst = 0
     for i, tier in enumerate(tiers, 1):
         script = where / f"bench_{tier}_tier.py"
-        print(f"== lmcache bench {tier} [{i}/{len(tiers)}]: {script.name} {' '.join(extra)}", file=sys.stderr, flush=True)
+        header = f"== lmcache bench {tier} [{i}/{len(tiers)}]: {script.name} {' '.join(extra)}"
+        print(header, file=sys.stderr, flush=True)
         rc = subprocess.call([sys.executable, str(script), *extra], env=env, cwd=str(where))
         if rc != 0:
             print(f"lmcache: {script.name} exited with {rc}", file=sys.stderr)

@@ -50,7 +50,8 @@ def entry_files(root: str) -> list[tuple[str, str]]:
         out = []
         with os.scandir(directory) as it:
             for de in it:
-                if de.name.endswith(ENTRY_SUFFIX) and len(de.name) == ENTRY_NAME_LEN and de.is_file(follow_symlinks=False):
+                named = de.name.endswith(ENTRY_SUFFIX) and len(de.name) == ENTRY_NAME_LEN
+                if named and de.is_file(follow_symlinks=False):
                     out.append((cache, de.path))
         return out
 

@@ -17,7 +17,9 @@ class Progress:
 
     WIDTH = 30
 
-    def __init__(self, total: int, label: str = "", *, stream: TextIO | None = None, enabled: bool | None = None) -> None:
+    def __init__(
+        self, total: int, label: str = "", *, stream: TextIO | None = None, enabled: bool | None = None
+    ) -> None:
         self.total = max(0, int(total))
         self.label = label
         self.stream = stream or sys.stderr

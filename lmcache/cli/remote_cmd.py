@@ -59,7 +59,11 @@ def run_ping(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             conn.ping()
             rtts.append((time.perf_counter() - t0) * 1e3)
-        result["rtt_ms"] = {"min": round(min(rtts), 3), "median": round(statistics.median(rtts), 3), "max": round(max(rtts), 3)}
+        result["rtt_ms"] = {
+            "min": round(min(rtts), 3),
+            "median": round(statistics.median(rtts), 3),
+            "max": round(max(rtts), 3),
+        }
         if not args.no_scan:
             entries = nbytes = 0
             for _, size in conn.scan_sizes(f"{args.prefix}:*"):
@@ -79,7 +83,10 @@ def run_ping(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     rtt = result["rtt_ms"]
-    line = f"{shown}: reachable, connect {result['connect_ms']} ms, PING rtt min/median/max {rtt['min']}/{rtt['median']}/{rtt['max']} ms"  # type: ignore[index]
+    line = (
+        f"{shown}: reachable, connect {result['connect_ms']} ms, "
+        f"PING rtt min/median/max {rtt['min']}/{rtt['median']}/{rtt['max']} ms"  # type: ignore[index]
+    )
     if "entries" in result:
         line += f", {result['entries']} lmcache entries ({result['bytes']} bytes) under '{args.prefix}:'"
     print(line)

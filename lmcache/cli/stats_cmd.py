@@ -27,8 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Ask the lookup socket of every running lmcache vLLM worker for its counters and print them "
         "by tier, one block per vLLM instance. Exit 1 if no worker answers.",
     )
-    p.add_argument("--socket-dir", default=None, help="lookup socket directory (default: extra_config.lookup_socket_dir's default)")
-    p.add_argument("--socket", action="append", default=None, help="a lookup socket path (repeatable; skips the search)")
+    p.add_argument("--socket-dir", default=None, help="lookup socket directory (default: $TMPDIR/lmcache-<uid>)")
+    p.add_argument("--socket", action="append", default=None, help="a lookup socket path (repeatable; no search)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds per worker (default: 2)")
     p.add_argument("--json", action="store_true", help="print JSON (all counters)")
     p.set_defaults(func=run_stats)

@@ -58,7 +58,7 @@ def _by_tier(name: str, kind: str, doc: str, **tiers: tuple[str, ...] | str) -> 
 
 
 METRICS: tuple[MetricDef, ...] = (
-    _c("lmcache_lookup_requests", "Lookups (how many leading tokens are cached?) answered by lmcache.", "lookup_requests"),
+    _c("lmcache_lookup_requests", "Lookups (how many leading tokens are cached?) answered.", "lookup_requests"),
     _c("lmcache_lookup_tokens", "Prompt tokens looked up.", "lookup_tokens"),
     _c(
         "lmcache_lookup_hit_tokens",
@@ -85,7 +85,7 @@ METRICS: tuple[MetricDef, ...] = (
         remote="hit_bytes_remote",
     ),
     _c("lmcache_store_requests", "Store requests (vLLM handed computed KV to lmcache).", "store_requests"),
-    _c("lmcache_stored_tokens", "Tokens newly stored (into the CPU tier, written through to disk/remote).", "stored_tokens"),
+    _c("lmcache_stored_tokens", "Tokens newly stored (CPU tier, written through to disk/remote).", "stored_tokens"),
     _by_tier(
         "lmcache_stored_bytes",
         COUNTER,
@@ -125,8 +125,8 @@ METRICS: tuple[MetricDef, ...] = (
         disk=("disk_puts_dropped_queue_full", "disk_puts_rejected_no_space", "disk_puts_rejected_too_large"),
         remote=("remote_put_dropped", "remote_put_skipped"),
     ),
-    _c("lmcache_remote_errors", "Failed calls to the remote server (connection loss, timeouts, errors).", "remote_errors"),
-    _c("lmcache_remote_breaker_trips", "Times the remote tier's circuit breaker opened (one per outage).", "remote_breaker_open"),
+    _c("lmcache_remote_errors", "Failed remote calls (connection loss, timeouts, errors).", "remote_errors"),
+    _c("lmcache_remote_breaker_trips", "Times the remote breaker opened (one per outage).", "remote_breaker_open"),
     MetricDef(
         "lmcache_remote_available",
         GAUGE,
@@ -178,6 +178,7 @@ def _key_index() -> dict[str, tuple[MetricDef, str]]:
 
 KEY_INDEX = _key_index()
 """snapshot key -> (metric, label value)."""
+BY_NAME = {m.name: m for m in METRICS}
 
 
 # ------------------------------------------------------------------------ worker side
@@ -335,7 +336,7 @@ class PromSink:
                 self._gauge_values.setdefault((engine_idx, m.name + "|" + label), {})[f"{key}@{rank}"] = value
                 touched.add((m.name, label))
             for name, label in touched:
-                m = next(x for x in METRICS if x.name == name)
+                m = BY_NAME[name]
                 total = sum(self._gauge_values[(engine_idx, name + "|" + label)].values())
                 self._child(self._metrics[name], engine_idx, label if m.label else None).set(total)
             for op, obs in payload.get("h", {}).items():

@@ -77,7 +77,8 @@ class RemovedEvent:
 
 def chunk_hashes(namespace: str, chunk_size: int, tokens: np.ndarray, extras: dict[str, Any]) -> list[ChunkInfo]:
     """:class:`ChunkInfo` of every chunk of ``tokens`` (the last one may be partial)."""
-    seed = xxhash.xxh3_64_intdigest(repr((namespace, chunk_size, sorted((k, repr(v)) for k, v in extras.items()))).encode())
+    ident = repr((namespace, chunk_size, sorted((k, repr(v)) for k, v in extras.items())))
+    seed = xxhash.xxh3_64_intdigest(ident.encode())
     out: list[ChunkInfo] = []
     prev: int | None = None
     arr = np.ascontiguousarray(tokens, dtype="<i4")

@@ -96,8 +96,8 @@ class MultiprocExporter:
         engine_idx = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
         self.engine_idx = engine_idx
         self.delta = delta
-        self.sink = PromSink({}, ["model_name", "engine"], {engine_idx: [served_model_name(vllm_config), str(engine_idx)]},
-                             gauge_mode="livesum")
+        labels = {engine_idx: [served_model_name(vllm_config), str(engine_idx)]}
+        self.sink = PromSink({}, ["model_name", "engine"], labels, gauge_mode="livesum")
 
     @staticmethod
     def enabled() -> bool:

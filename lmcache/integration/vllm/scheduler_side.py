@@ -101,6 +101,10 @@ class SchedulerConnector:
                 self.warn("lookup", "lmcache: lookup unavailable (%s); treating as a miss", self.lookups.last_error)
                 hit = 0
             offered = self.planner.offer(request, num_computed_tokens, hit)
+            logger.debug(
+                "lmcache: lookup %s: %d of %d tokens cached, %d offered to vLLM",
+                request.request_id, hit, len(tokens), offered,
+            )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a cache failure is a miss
             self.counters["lookup_failures"] += 1
             self.warn("lookup", "lmcache: lookup failed (%s: %s); treating as a miss", type(exc).__name__, exc)

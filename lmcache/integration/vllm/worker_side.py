@@ -111,13 +111,16 @@ class WorkerConnector:
         tensors = [kv_caches[n] for n in names]
         md = self.engine.metadata
         problem = None
+        layout_name = "?"
         if len(tensors) != md.num_layers:
             problem = f"{len(tensors)} KV layers registered, the model config says {md.num_layers}"
         elif tensors[0].dtype != md.kv_dtype:
             problem = f"KV dtype {tensors[0].dtype} differs from the expected {md.kv_dtype}"
         else:
             try:
-                detect_layout(tensors[0], use_mla=md.use_mla).geometry(tensors[0])
+                layout = detect_layout(tensors[0], use_mla=md.use_mla)
+                layout.geometry(tensors[0])
+                layout_name = layout.name
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -131,8 +134,9 @@ class WorkerConnector:
         if register is not None:
             register(tensors)
         logger.info(
-            "lmcache: registered %d KV layers, shape %s, dtype %s (%s mode)",
+            "lmcache: registered %d KV layers, layout %s, shape %s, dtype %s (%s mode)",
             len(tensors),
+            layout_name,
             tuple(tensors[0].shape),
             tensors[0].dtype,
             "layerwise" if self.layerwise else "bulk",
@@ -250,6 +254,7 @@ class WorkerConnector:
         assert spec is not None
         got = ret[spec.num_local : spec.end]
         if got.numel() == spec.num_external and bool(got.all()):
+            logger.debug("lmcache: %s loaded tokens [%d, %d)", req.req_id, spec.num_local, spec.end)
             return
         bad = (~got).nonzero()
         first_bad = spec.num_local + (int(bad[0, 0]) if bad.numel() else got.numel())
@@ -340,7 +345,9 @@ class WorkerConnector:
         self._describe(req, req.save.end)
         try:
             tokens, mask, kwargs = self._save_args(req)
-            self.engine.store(tokens, mask, **kwargs)  # the layerwise engine runs a whole generator
+            stored = self.engine.store(tokens, mask, **kwargs)  # the layerwise engine runs a whole generator
+            spec = req.save
+            logger.debug("lmcache: %s stored %d new tokens of [%d, %d)", req.req_id, stored, spec.skip, spec.end)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
             self.warn("save", "lmcache: save of %s failed (%s: %s); skipped", req.req_id, type(exc).__name__, exc)
 
