@@ -15,12 +15,15 @@ still there, and that the server log has the ``[lmcache]`` startup and summary l
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
-from tests.vllm_utils import tiny_llama_dir, vllm_available  # noqa: F401
+from tests.vllm_utils import REPO_ROOT, tiny_llama_dir, vllm_available  # noqa: F401
 
 pytestmark = [
     pytest.mark.vllm,
@@ -38,9 +41,15 @@ def _server(
 ) -> OpenAIServer:
     tmp = tmp_path_factory.mktemp(name)
     cfg = tmp / "lmcache.yaml"
-    cfg.write_text(f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n{extra_yaml}")
+    socks = tmp / "socks"
+    cfg.write_text(
+        f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n"
+        f"extra_config:\n  lookup_socket_dir: {socks}\n{extra_yaml}"
+    )
     env = {"LMCACHE_CONFIG_FILE": str(cfg), **env}
-    return OpenAIServer(str(model), ktc, tmp / "server.log", env=env, extra_args=list(args)).start()
+    server = OpenAIServer(str(model), ktc, tmp / "server.log", env=env, extra_args=list(args)).start()
+    server.socket_dir = socks
+    return server
 
 
 def _two_requests(server: OpenAIServer) -> list[int]:
@@ -85,6 +94,16 @@ def _check(server: OpenAIServer) -> None:
     assert metric_value(text, "lmcache_retrieve_seconds_count") >= 1
     assert "vllm:prompt_tokens" in text  # vLLM's own metrics are still served
     assert metric_value(text, "vllm:prompt_tokens_total") >= 2 * len(PROMPT)
+    # the same numbers from the running worker over its lookup socket: `lmcache stats`
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run(
+        [sys.executable, "-m", "lmcache", "stats", "--socket-dir", str(server.socket_dir), "--json"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    (stats,) = json.loads(res.stdout).values()
+    assert stats["hit_tokens_cpu"] == cached[1]
+    assert stats["stored_tokens"] == metric_value(text, "lmcache_stored_tokens_total")
     log = _wait_for_log(server, "lmcache summary")
     assert "[lmcache] INFO" in log and "lmcache started (worker rank 0" in log
     assert "lmcache summary" in log
@@ -142,8 +161,19 @@ def test_kv_events_reach_a_zmq_subscriber(dynamic_server):
             prompt = [(i * 11 + 5 + attempt) % 900 + 10 for i in range(300)]
             client.completions.create(model=dynamic_server.model, prompt=prompt, max_tokens=2, temperature=0.0)
             stored: dict[str, list[BlockStored]] = {}
+
+            def ours(medium: str) -> list[BlockStored]:  # events of this prompt (earlier prompts' writes may trail)
+                slices = {
+                    tuple(prompt[k : k + n]) for k in range(0, len(prompt), CHUNK) for n in range(CHUNK, 5 * CHUNK, CHUNK)
+                }
+                return [ev for ev in stored.get(medium, []) if tuple(ev.token_ids) in slices]
+
+            def complete() -> bool:
+                cpu = [h for ev in ours("CPU") for h in ev.block_hashes]
+                return len(cpu) == 4 and set(cpu) <= {h for ev in ours("DISK") for h in ev.block_hashes}
+
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and len(stored.get("DISK", [])) < 1:
+            while time.monotonic() < deadline and not complete():
                 if not sub.poll(500):
                     continue
                 topic, _seq, payload = sub.recv_multipart()
@@ -151,17 +181,19 @@ def test_kv_events_reach_a_zmq_subscriber(dynamic_server):
                 for ev in decoder.decode(payload).events:
                     if isinstance(ev, BlockStored) and ev.medium in ("CPU", "DISK"):
                         stored.setdefault(ev.medium, []).append(ev)
-            cpu = [t for ev in stored.get("CPU", []) for t in ev.token_ids]
-            if cpu == prompt[: 4 * CHUNK]:
+            if complete():
                 break
         else:
-            pytest.fail(f"no lmcache KV events for the prompt; got {stored!r}")
-        cpu_events = stored["CPU"]
-        assert all(ev.block_size == CHUNK for ev in cpu_events)
+            pytest.fail(f"no complete lmcache KV events for the prompt; got {stored!r}")
+        cpu_events = ours("CPU")
+        assert [t for ev in cpu_events for t in ev.token_ids] == prompt[: 4 * CHUNK]
+        assert all(ev.block_size == CHUNK for ev in cpu_events) and cpu_events[0].parent_block_hash is None
         hashes = [h for ev in cpu_events for h in ev.block_hashes]
-        assert len(hashes) == 4 and cpu_events[0].parent_block_hash is None
-        disk_hashes = {h for ev in stored["DISK"] for h in ev.block_hashes}
-        assert disk_hashes and disk_hashes <= set(hashes)
+        assert len(set(hashes)) == 4
+        # the chain: each event's parent is the previous chunk's hash
+        parents = [ev.parent_block_hash for ev in cpu_events]
+        starts = [hashes.index(ev.block_hashes[0]) for ev in cpu_events]
+        assert parents == [None] + [hashes[i - 1] for i in starts[1:]]
     finally:
         sub.close(linger=0)
         ctx.term()
