@@ -98,7 +98,8 @@ def run_inspect(args: argparse.Namespace) -> int:
         except (CorruptEntryError, ValueError, OSError):
             bad += 1
             continue
-        g = groups[(cache, key.model_name, key.world_size, key.dtype, header.meta.fmt.name)]
+        dtype = key.dtype if isinstance(key.dtype, str) else str(key.dtype).removeprefix("torch.")
+        g = groups[(cache, key.model_name, key.world_size, dtype, header.meta.fmt.name)]
         g.entries += 1
         g.bytes += st.st_size
         g.shapes.add(tuple(header.meta.shape))
