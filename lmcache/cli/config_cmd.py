@@ -32,6 +32,7 @@ def run_check(args: argparse.Namespace) -> int:
     from lmcache.v1.config import CONFIG_FILE_ENV, ConfigError, LMCacheEngineConfig, load_ec_engine_config
 
     path = args.file or os.environ.get(CONFIG_FILE_ENV) or None
+    saved = os.environ.get(CONFIG_FILE_ENV)
     try:
         config = LMCacheEngineConfig.load(path)
         if path is not None:
@@ -40,6 +41,11 @@ def run_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"lmcache: config error: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    finally:  # main() may run inside another program (tests): leave its environment as it was
+        if saved is None:
+            os.environ.pop(CONFIG_FILE_ENV, None)
+        else:
+            os.environ[CONFIG_FILE_ENV] = saved
     source = path or "(no file: defaults + environment)"
     print(f"# lmcache effective configuration from {source} and LMCACHE_* environment variables")
     print(yaml.safe_dump(effective_config(config), sort_keys=True, default_flow_style=False), end="")

@@ -67,6 +67,7 @@ def test_python_dash_m_and_help_on_every_command():
 
 # ------------------------------------------------------------------------ config check
 def test_config_check_prints_effective_config_with_secrets_masked(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
     path = tmp_path / "lmcache.yaml"
     path.write_text("chunk_size: 128\nremote_url: redis://user:hunter2@127.0.0.1:6379\nremote_password: s3cret\n")
     monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "2")
@@ -74,6 +75,7 @@ def test_config_check_prints_effective_config_with_secrets_masked(capsys, tmp_pa
     assert rc == 0
     assert "chunk_size: 128" in out and "max_local_cpu_size: 2.0" in out
     assert "hunter2" not in out and "s3cret" not in out and "redis://user:***@127.0.0.1:6379" in out
+    assert "LMCACHE_CONFIG_FILE" not in os.environ  # the command left the caller's environment alone
 
 
 def test_config_check_bad_file_value_exits_2_naming_file_key_value_expectation(capsys, tmp_path):
