@@ -45,8 +45,8 @@ class CacheStats(Counters):
     retrieve_requests: int = 0
     requested_tokens: int = 0
     hit_tokens: int = 0
-    """Tokens a retrieve returned as cached (its mask), including positions the caller
-    did not ask to have written (slot -1, e.g. the prompt's last token vLLM recomputes)."""
+    """Tokens of the chunks retrieves loaded, including tokens without a slot (not
+    written, False in the mask; e.g. the prompt's last token, which vLLM recomputes)."""
     hit_tokens_cpu: int = 0
     """Tokens whose KV was loaded into the caller's KV cache from the CPU tier. Counted
     after the copy succeeded (a failed load is a miss); see also ``_disk``/``_remote``."""
