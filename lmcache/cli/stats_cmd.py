@@ -2,7 +2,7 @@
 
 Every worker of a vLLM instance using the lmcache connector serves its engine's
 stats snapshot on its lookup socket (``lookup-<engine digest>-r<rank>.sock`` in the
-socket directory, default ``$TMPDIR/lmcache-<uid>``). This command finds the sockets,
+socket directory, default ``$XDG_RUNTIME_DIR/lmcache`` or ``$TMPDIR/lmcache-<uid>``). It finds the sockets,
 asks each rank, merges the ranks of each instance like ``collect_stats`` does and
 prints the numbers by tier.
 """
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Ask the lookup socket of every running lmcache vLLM worker for its counters and print them "
         "by tier, one block per vLLM instance. Exit 1 if no worker answers.",
     )
-    p.add_argument("--socket-dir", default=None, help="lookup socket directory (default: $TMPDIR/lmcache-<uid>)")
+    p.add_argument("--socket-dir", default=None, help="lookup socket directory (default: the workers' default)")
     p.add_argument("--socket", action="append", default=None, help="a lookup socket path (repeatable; no search)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds per worker (default: 2)")
     p.add_argument("--json", action="store_true", help="print JSON (all counters)")
