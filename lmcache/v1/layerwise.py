@@ -90,19 +90,12 @@ def contains_prefix(
     ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``; undo
     with :func:`unpin_all`. Non-blocking apart from lower-tier existence checks.
     """
-    found = len(keys)
-    for layer_list in layer_keys(keys, num_layers):
-        if not found:
-            break
-        found = storage_manager.batched_contains(layer_list[:found], pin=pin)
-    return found
+    return storage_manager.batched_lookup(layer_keys(keys, num_layers), pin=pin).hits
 
 
 def unpin_all(storage_manager: StorageManager, keys: Sequence[CacheEngineKey], num_layers: int) -> None:
     """Undo the pins of :func:`contains_prefix` for ``keys``."""
-    for layer_list in layer_keys(keys, num_layers):
-        for key in layer_list:
-            storage_manager.unpin(key)
+    storage_manager.batched_unpin([k for layer_list in layer_keys(keys, num_layers) for k in layer_list])
 
 
 def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> None:
@@ -115,9 +108,9 @@ def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequenc
     """
     if not keys_per_layer:
         return
-    for chunk in reversed(range(len(keys_per_layer[0]))):
-        for layer_list in keys_per_layer:
-            storage_manager.local_cpu.touch(layer_list[chunk])
+    # head first; batched_touch walks it backwards: chunk by chunk from the tail, layers in order
+    order = [layer_list[chunk] for chunk in range(len(keys_per_layer[0])) for layer_list in reversed(keys_per_layer)]
+    storage_manager.batched_touch(order)
 
 
 def _release(objs: Sequence[MemoryObj | None]) -> None:
@@ -206,7 +199,9 @@ def _store_steps(
         engine.stats.add(store_requests=1)
         spans = [s for s in spans if s.end <= kv.first_unmapped]
         keys = layer_keys([s.key for s in spans], num_layers)
-        todo = [j for j in range(len(spans)) if not all(sm.contains(keys[layer][j]) for layer in range(num_layers))]
+        # one batched lookup per layer (one round trip per remote tier): skip the cached prefix
+        cached = sm.batched_lookup(keys).hits
+        todo = [j for j in range(cached, len(spans)) if not all(sm.is_resident(kl[j]) for kl in keys)]
         todo = _allocate(engine, connector, spans, todo, state)
         spans = [spans[j] for j in todo]
         keys = [[layer_list[j] for j in todo] for layer_list in keys]
@@ -305,8 +300,7 @@ class _RetrieveState:
         if self.inflight is not None:
             _release_when_done(self.inflight)
             self.inflight = None
-        for key in self.pinned:
-            sm.unpin(key)
+        sm.batched_unpin(self.pinned)
         self.pinned = []
 
 
@@ -325,15 +319,9 @@ def retrieve_layer(engine: LMCacheEngine, req: TransferRequest) -> Iterator[torc
 
 def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
     """Chunks retrievable for every layer; pins (and records) the L1 entries of that prefix."""
-    found = len(keys_per_layer[0]) if keys_per_layer else 0
-    for layer_list in keys_per_layer:
-        if not found:
-            break
-        candidates = layer_list[:found]
-        in_l1 = sm.local_cpu.batched_contains(candidates, pin=True)
-        state.pinned.extend(candidates[:in_l1])
-        found = in_l1 if in_l1 == found else in_l1 + sm.batched_contains(candidates[in_l1:])
-    return found
+    lookup = sm.batched_lookup(keys_per_layer, pin=True)
+    state.pinned.extend(lookup.pinned)
+    return lookup.hits
 
 
 def _retrieve_steps(

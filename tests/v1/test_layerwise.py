@@ -116,11 +116,11 @@ def resident_ok(engine: LMCacheEngine) -> None:
     """Ownership after a finished call: L1 holds exactly one reference per entry, no pins."""
     backend = engine.storage_manager.local_cpu
     for key in backend.keys():
-        obj = backend._objs[key]
+        obj = backend.resident(key)
         assert obj.ref_count == 1 and obj.pin_count == 0, (key, obj)
     # nothing else holds pool memory (4 KiB-aligned allocations)
     assert engine.storage_manager.allocator.used_bytes == sum(
-        (o.get_size() + 4095) // 4096 * 4096 for o in backend._objs.values()
+        (o.get_size() + 4095) // 4096 * 4096 for o in backend.resident_objects().values()
     )
 
 
@@ -441,7 +441,7 @@ def test_closing_a_retrieve_midway_unpins_and_releases():
     gen = engine.retrieve_layer(tokens, kvcaches=[torch.zeros_like(t) for t in kv], slot_mapping=slots)
     next(gen)
     next(gen)
-    assert any(o.pin_count for o in engine.storage_manager.local_cpu._objs.values())
+    assert any(o.pin_count for o in engine.storage_manager.local_cpu.resident_objects().values())
     gen.close()
     resident_ok(engine)
     engine.close()
@@ -466,7 +466,7 @@ def test_lookup_pin_and_unpin_cover_every_layer():
     engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
     engine.store(tokens, kvcaches=kv, slot_mapping=slots)
     assert engine.lookup(tokens, pin=True) == 2 * CHUNK
-    objs = engine.storage_manager.local_cpu._objs
+    objs = engine.storage_manager.local_cpu.resident_objects()
     assert len(objs) == 6 and all(o.pin_count == 1 for o in objs.values())
     engine.lookup_unpin(tokens)
     assert all(o.pin_count == 0 for o in objs.values())

@@ -4,10 +4,38 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
+import torch
+
+from lmcache.errors import resolved
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+
+class TierMemory(Protocol):
+    """What a lower tier needs from the CPU pool: room for the objects it reads.
+
+    The StorageManager owns the pool and hands each tier a :class:`PoolMemory`; a tier
+    never imports or calls another tier. ``allocate`` returns an object with one
+    reference owned by the caller, or None when the pool has no room even after
+    eviction (the read becomes a miss). Any thread; never blocks on I/O.
+    """
+
+    @property
+    def capacity(self) -> int: ...
+
+    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMemory:
+    """A :class:`TierMemory` given by the StorageManager: the pool's size and its
+    allocate-or-evict function."""
+
+    capacity: int
+    allocate: Callable[[tuple[int, ...] | torch.Size, torch.dtype, MemoryFormat], MemoryObj | None]
 
 
 class StorageBackend(ABC):
@@ -75,9 +103,7 @@ class StorageBackend(ABC):
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
         """Future of :meth:`get_blocking`. Default: computed inline."""
-        fut: Future[MemoryObj | None] = Future()
-        fut.set_result(self.get_blocking(key))
-        return fut
+        return resolved(self.get_blocking(key))
 
     @abstractmethod
     def remove(self, key: CacheEngineKey) -> bool:

@@ -1,8 +1,8 @@
 """The disk tier's in-memory index, its rebuild from the files, and temp-file ownership.
 
-:class:`DiskIndex` maps keys to entries, counts bytes and picks eviction victims through
-an :class:`EvictionPolicy`; it does no I/O and is not thread-safe (the tier calls it
-under its lock). :func:`scan_directory` rebuilds the entries from file headers alone
+:class:`DiskIndex` is the disk tier's :class:`ResidentIndex` (keys to entries, bytes
+counted against a capacity, victims picked through an :class:`EvictionPolicy`, all or
+nothing); it does no I/O and is not thread-safe (the tier calls it under its lock). :func:`scan_directory` rebuilds the entries from file headers alone
 (no payload reads). :class:`OwnerLock` marks which process owns which temp files, so
 a restart removes only the temp files of writers that are gone, even when another
 live process shares the directory.
@@ -28,6 +28,7 @@ from lmcache.v1.storage_backend.disk_file import (
     temp_file_owner,
 )
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError
+from lmcache.v1.storage_backend.resident_index import ResidentIndex
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 """Entry files are never opened through a symlink (a planted link could point anywhere)."""
@@ -48,13 +49,13 @@ class DiskEntry:
     header_len: int
     size: int
     """Bytes on disk (header + payload)."""
-    pins: int = 0
     readers: int = 0
     """Reads in progress; like pins, they keep the entry from eviction."""
 
 
-class DiskIndex:
-    """Key -> :class:`DiskEntry`, with byte accounting against a capacity.
+class DiskIndex(ResidentIndex[CacheEngineKey, DiskEntry]):
+    """The disk tier's :class:`ResidentIndex`: key -> :class:`DiskEntry`, byte accounting
+    against a capacity, entries being read are busy (never evicted).
 
     Two-phase writes: :meth:`reserve` makes room (evicting whole entries in policy
     order, skipping pinned and in-use ones; all or nothing) and books the bytes;
@@ -63,112 +64,18 @@ class DiskIndex:
     """
 
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity={capacity!r}: expected bytes > 0")
-        self.capacity = capacity
-        self.policy = policy
-        self.used = 0
-        """Bytes of indexed files."""
-        self.reserved = 0
-        """Bytes booked by writes in flight."""
-        self._entries: dict[CacheEngineKey, DiskEntry] = {}
+        super().__init__(policy, capacity, busy=_being_read)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._entries
-
-    def get(self, key: CacheEngineKey) -> DiskEntry | None:
-        return self._entries.get(key)
+    def add(self, entry: DiskEntry, *, pins: int = 0) -> DiskEntry | None:
+        """Index ``entry``; returns the entry it replaced (its file is the caller's to delete)."""
+        return self.insert(entry.key, entry, entry.size, pins=pins)
 
     def entries(self) -> list[DiskEntry]:
-        return list(self._entries.values())
+        return self.values()
 
-    def touch(self, key: CacheEngineKey) -> None:
-        if key in self._entries:
-            self.policy.on_hit(key)
 
-    def insert(self, entry: DiskEntry) -> DiskEntry | None:
-        """Index ``entry``; returns the entry it replaced (its file is the caller's to delete)."""
-        old = self.pop(entry.key)
-        self._entries[entry.key] = entry
-        self.used += entry.size
-        self.policy.on_insert(entry.key)
-        return old
-
-    def pop(self, key: CacheEngineKey) -> DiskEntry | None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self.used -= entry.size
-            self.policy.on_remove(key)
-        return entry
-
-    def discard(self, entry: DiskEntry) -> bool:
-        """Remove ``entry`` only if it is still the indexed entry of its key."""
-        if self._entries.get(entry.key) is not entry:
-            return False
-        self.pop(entry.key)
-        return True
-
-    def clear(self) -> list[DiskEntry]:
-        out = list(self._entries.values())
-        for entry in out:
-            self.pop(entry.key)
-        return out
-
-    # ------------------------------------------------------------------ space
-    def reserve(self, nbytes: int) -> list[DiskEntry] | None:
-        """Book ``nbytes``, evicting as few entries as needed (policy order).
-
-        Returns the evicted entries (already out of the index), or None, changing
-        nothing, if the bytes cannot fit (larger than the tier, or too much pinned).
-        """
-        if nbytes > self.capacity:
-            return None
-        need = self.used + self.reserved + nbytes - self.capacity
-        victims: list[DiskEntry] = []
-        if need > 0:
-            freed = 0
-            for key in self.policy.victims():
-                entry = self._entries[key]
-                if entry.pins or entry.readers:
-                    continue
-                victims.append(entry)
-                freed += entry.size
-                if freed >= need:
-                    break
-            else:
-                return None
-            for entry in victims:
-                self.pop(entry.key)
-        self.reserved += nbytes
-        return victims
-
-    def release(self, nbytes: int) -> None:
-        """Cancel a booking made by :meth:`reserve`."""
-        self.reserved -= nbytes
-        assert self.reserved >= 0
-
-    def commit(self, entry: DiskEntry, reserved: int) -> DiskEntry | None:
-        """Turn a booking of ``reserved`` bytes into ``entry``; returns a replaced entry."""
-        self.release(reserved)
-        return self.insert(entry)
-
-    def shrink_to_capacity(self) -> list[DiskEntry]:
-        """Evict in policy order until the indexed bytes fit (used after a restart)."""
-        victims: list[DiskEntry] = []
-        if self.used + self.reserved <= self.capacity:
-            return victims
-        for key in self.policy.victims():
-            entry = self._entries[key]
-            if entry.pins or entry.readers:
-                continue
-            self.pop(key)
-            victims.append(entry)
-            if self.used + self.reserved <= self.capacity:
-                break
-        return victims
+def _being_read(entry: DiskEntry) -> bool:
+    return entry.readers > 0
 
 
 # ---------------------------------------------------------------------- rebuild

@@ -1,29 +1,36 @@
-"""L1: the CPU memory tier. It owns the pool every tier allocates from."""
+"""L1: the CPU memory tier. Its entries live in the StorageManager's pool."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
+from lmcache.v1.storage_backend.resident_index import ResidentIndex
 
 logger = logging.getLogger(__name__)
+
+
+def _in_use(obj: MemoryObj) -> bool:
+    """Pinned, or someone besides the tier holds the object (evicting it would free nothing)."""
+    return not obj.can_evict
 
 
 class LocalCPUBackend(StorageBackend):
     """Keeps MemoryObjs resident in the CPU pool, evicting by a policy when full.
 
     Thread-safe; nothing here blocks on I/O. The tier holds one reference per resident
-    object and drops it on eviction/removal. Eviction skips pinned objects and objects
-    someone else still references (``ref_count > 1``). With ``retain=False`` (config
-    ``local_cpu: false``) the pool only stages data for lower tiers and nothing stays
-    resident.
+    object and drops it on eviction/removal. The entries are a :class:`ResidentIndex`:
+    eviction is all or nothing (enough victims for the request, or none), skips pinned
+    objects and objects someone else still references (``ref_count > 1``). With
+    ``retain=False`` (config ``local_cpu: false``) the pool only stages data for lower
+    tiers and nothing stays resident.
     """
 
     tier = "cpu"
@@ -39,32 +46,50 @@ class LocalCPUBackend(StorageBackend):
         on_evict: Callable[[int], None] | None = None,
     ) -> None:
         self.allocator = allocator
-        self.policy = policy
         self.retain = retain
         self._on_evict = on_evict
-        self._objs: dict[CacheEngineKey, MemoryObj] = {}
+        self._index: ResidentIndex[CacheEngineKey, MemoryObj] = ResidentIndex(policy, busy=_in_use)
         self._lock = threading.Lock()
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """The eviction policy (orders keys only; read its ``victims()`` under no lock at your own risk)."""
+        return self._index.policy
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the pool."""
+        return self.allocator.capacity
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """A pool object (ref 1, caller owns it), evicting as needed; None if impossible."""
+        """A pool object (ref 1, caller owns it), evicting as needed; None if impossible.
+
+        Eviction is atomic by bytes: victims that free enough pool bytes are picked
+        first, or nothing is evicted. Should the freed space be fragmented (the pool's
+        slabs), further entries are evicted one at a time until the object fits."""
         obj = self.allocator.allocate(shape, dtype, fmt)
         if obj is not None:
             return obj
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
         if not self.allocator.can_ever_fit(nbytes):
             return None
-        evicted: list[CacheEngineKey] = []
+        need = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
+        evicted = 0
         with self._lock:
-            for key in self.policy.victims():
-                victim = self._objs.get(key)
-                if victim is None or victim.is_pinned or victim.ref_count > 1:
-                    continue
-                self._drop_locked(key)
-                evicted.append(key)
+            victims = self._index.make_room(need - self.allocator.free_bytes)
+            if victims is not None:
+                for _, victim in victims:
+                    self._release(victim)
+                evicted = len(victims)
                 obj = self.allocator.allocate(shape, dtype, fmt)
-                if obj is not None:
-                    break
+                while obj is None:  # enough bytes, but not contiguous in one slab
+                    victim_pair = self._index.evict_one()
+                    if victim_pair is None:
+                        break
+                    self._release(victim_pair[1])
+                    evicted += 1
+                    obj = self.allocator.allocate(shape, dtype, fmt)
         if evicted and self._on_evict is not None:
             self._on_evict(len(evicted))
         self._notify("removed", evicted)
@@ -72,85 +97,132 @@ class LocalCPUBackend(StorageBackend):
 
     # ------------------------------------------------------------------ contract
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        with self._lock:
-            obj = self._objs.get(key)
-            if obj is None:
-                return False
-            if pin:
-                obj.pin()
-            return True
+        return self.batched_contains([key], pin) == 1
 
-    def batched_contains(self, keys, pin: bool = False) -> int:
+    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
         n = 0
         with self._lock:
             for key in keys:
-                obj = self._objs.get(key)
+                obj = self._index.get(key)
                 if obj is None:
                     break
                 if pin:
-                    obj.pin()
+                    self._pin_locked(key, obj)
                 n += 1
         return n
 
     def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Make ``obj`` resident (the tier takes its own reference). Synchronous."""
-        if not self.retain:
-            return
+        self.admit_sequence([key], [obj])
+
+    def batched_submit_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        self.admit_sequence(keys, objs)
+
+    def admit_sequence(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
+        """One visit for the chunks of a sequence (``keys`` head first): resident keys are
+        touched, new objects inserted (the tier takes its own reference), both from the
+        tail to the head so the head is the most recent entry. ``None`` objects are
+        skipped. With ``retain=False`` nothing is inserted."""
         with self._lock:
-            old = self._objs.get(key)
-            if old is not None:
-                self.policy.on_hit(key)
-                return
-            obj.ref_count_up()
-            self._objs[key] = obj
-            self.policy.on_insert(key)
-        self._notify("stored", [key])
+            for key, obj in zip(reversed(keys), reversed(objs)):
+                if self._index.touch(key) or obj is None or not self.retain:
+                    continue
+                obj.ref_count_up()
+                self._index.insert(key, obj, obj.get_physical_size())
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         with self._lock:
-            obj = self._objs.get(key)
+            obj = self._index.get(key)
             if obj is None:
                 return None
             obj.ref_count_up()
-            self.policy.on_hit(key)
+            self._index.touch(key)
             return obj
+
+    def get_prefix(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+        """Objects of the leading resident ``keys`` (one reference each for the caller),
+        in one lock hold. Recency is not changed: the caller reports the hits with
+        :meth:`admit_sequence` or :meth:`touch_sequence`."""
+        out: list[MemoryObj] = []
+        with self._lock:
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is None:
+                    break
+                obj.ref_count_up()
+                out.append(obj)
+        return out
 
     def touch(self, key: CacheEngineKey) -> None:
         """Record a hit without taking a reference."""
         with self._lock:
-            if key in self._objs:
-                self.policy.on_hit(key)
+            self._index.touch(key)
+
+    def touch_sequence(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Record hits for ``keys`` (head first) from the tail to the head, in one lock hold."""
+        with self._lock:
+            self._index.touch_sequence(keys)
 
     def remove(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            if key not in self._objs:
-                return False
-            self._drop_locked(key)
-        self._notify("removed", [key])
+            obj = self._index.pop(key)
+        if obj is None:
+            return False
+        self._release(obj)
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            obj = self._objs.get(key)
+            obj = self._index.get(key)
             if obj is None:
                 return False
+            self._index.unpin(key)
             obj.unpin()
             return True
 
+    def batched_unpin(self, keys: Sequence[CacheEngineKey]) -> None:
+        """:meth:`unpin` for each key, in one lock hold."""
+        with self._lock:
+            for key in keys:
+                obj = self._index.get(key)
+                if obj is not None:
+                    self._index.unpin(key)
+                    obj.unpin()
+
+    def pin_count(self, key: CacheEngineKey) -> int:
+        """Pins held on ``key`` by lookups (0 if absent)."""
+        with self._lock:
+            return self._index.pins(key)
+
     def keys(self) -> list[CacheEngineKey]:
         with self._lock:
-            return list(self._objs)
+            return self._index.keys()
+
+    def resident(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The resident object of ``key`` without taking a reference (introspection only:
+        the tier may drop it at any time)."""
+        with self._lock:
+            return self._index.get(key)
+
+    def resident_objects(self) -> dict[CacheEngineKey, MemoryObj]:
+        """Snapshot of key -> resident object, no references taken (introspection only)."""
+        with self._lock:
+            return dict(self._index.items())
 
     def __len__(self) -> int:
-        return len(self._objs)
+        return len(self._index)
 
     def close(self) -> None:
         with self._lock:
-            for key in list(self._objs):
-                self._drop_locked(key)
+            dropped = self._index.clear()
+        for _, obj in dropped:
+            self._release(obj)
         self.allocator.close()
 
-    def _drop_locked(self, key: CacheEngineKey) -> None:
-        obj = self._objs.pop(key)
-        self.policy.on_remove(key)
+    def _pin_locked(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        self._index.pin(key)
+        obj.pin()
+
+    @staticmethod
+    def _release(obj: MemoryObj) -> None:
         obj.ref_count_down()

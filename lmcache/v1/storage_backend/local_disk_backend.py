@@ -46,7 +46,7 @@ from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_fl
 from lmcache.v1.memory_management import GiB, MemoryObj
 from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
 from lmcache.v1.stats import Counters
-from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
     PAGE,
@@ -61,7 +61,6 @@ from lmcache.v1.storage_backend.disk_file import (
 )
 from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader, header_size
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +191,7 @@ class LocalDiskBackend(StorageBackend):
 
     Memory: ``submit_put`` takes its own reference to the object until the write is
     done (so the caller may drop its own at once); a read allocates from
-    ``local_cpu`` (the CPU pool) and returns an object with one reference owned by
+    ``memory`` (the CPU pool, given by the StorageManager) and returns an object with one reference owned by
     the caller. Puts still in the queue are served from their memory object.
     """
 
@@ -200,12 +199,12 @@ class LocalDiskBackend(StorageBackend):
 
     name = "LocalDiskBackend"
 
-    def __init__(self, config: LMCacheEngineConfig, local_cpu: LocalCPUBackend, namespace: str = "kv") -> None:
+    def __init__(self, config: LMCacheEngineConfig, memory: TierMemory, namespace: str = "kv") -> None:
         if not _NAMESPACE_RE.fullmatch(namespace):
             raise ValueError(f"namespace={namespace!r}: expected letters, digits, '_' or '-'")
         self.options = DiskTierOptions.from_config(config)
         self.directory = os.path.join(self.options.root, namespace)
-        self.local_cpu = local_cpu
+        self.memory = memory
         self.stats = DiskTierStats()
         _prepare_directory(self.options.root, self.directory, config.local_disk)
         self._lock = threading.Lock()
@@ -246,8 +245,8 @@ class LocalDiskBackend(StorageBackend):
         t0 = time.perf_counter()
         scan = scan_directory(self.directory, own_token=self._owner.token)
         for entry in scan.entries:
-            self._index.insert(entry)
-        victims = self._index.shrink_to_capacity()
+            self._index.add(entry)
+        victims = [entry for _, entry in self._index.shrink_to_capacity()]
         for entry in victims:
             self._unlink(entry.name)
         self.stats.add(
@@ -328,10 +327,13 @@ class LocalDiskBackend(StorageBackend):
         with self._lock:
             if self._closed or self._disabled:
                 return False
-            item = self._pending.get(key) or self._index.get(key)
-            if item is not None:
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.pins += pin
+                return True
+            if key in self._index:
                 if pin:
-                    item.pins += 1
+                    self._index.pin(key)
                 return True
         if not self._discover(key):
             return False
@@ -363,23 +365,25 @@ class LocalDiskBackend(StorageBackend):
                 return True
             if name in self._doomed:
                 return False
-            victims = self._index.reserve(st.st_size)
-            if victims is None:
+            evicted = self._index.reserve(st.st_size)
+            if evicted is None:
                 return False
+            victims = [entry for _, entry in evicted]
             for victim in victims:
                 self._unlink(victim.name)
-            self._index.commit(DiskEntry(key, name, header.meta, header.header_len, st.st_size), st.st_size)
+            entry = DiskEntry(key, name, header.meta, header.header_len, st.st_size)
+            self._index.commit(key, entry, st.st_size, st.st_size)
         self.stats.add(adopted=1, evictions=len(victims))
         self._notify("removed", [v.key for v in victims])
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            item = self._pending.get(key) or self._index.get(key)
-            if item is None:
-                return False
-            item.pins = max(0, item.pins - 1)
-            return True
+            pending = self._pending.get(key)
+            if pending is not None:
+                pending.pins = max(0, pending.pins - 1)
+                return True
+            return self._index.unpin(key)
 
     def submit_put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         """Reserve space for ``obj`` (evicting now, in policy order) and queue its write.
@@ -431,7 +435,7 @@ class LocalDiskBackend(StorageBackend):
                 if evicted is None:
                     self.stats.add(puts_rejected_no_space=len(keys) - i)
                     break
-                victims += evicted
+                victims += [entry for _, entry in evicted]
                 self._seq += 1
                 booked.append(_PendingWrite(key, key_str, obj, self._seq, size))
             self._doomed.update(v.name for v in victims)  # unlinked by a writer, before its next write
@@ -545,7 +549,7 @@ class LocalDiskBackend(StorageBackend):
     # ------------------------------------------------------------------ reads
     def _read(self, entry: DiskEntry) -> MemoryObj | None:
         meta = entry.meta
-        obj = self.local_cpu.allocate(meta.shape, meta.dtype, meta.fmt)
+        obj = self.memory.allocate(meta.shape, meta.dtype, meta.fmt)
         if obj is None:
             self.stats.add(alloc_failures=1, misses=1)
             self._log_once(logging.WARNING, "alloc", "lmcache disk tier: CPU pool full; disk hits become misses")
@@ -562,7 +566,7 @@ class LocalDiskBackend(StorageBackend):
                 self._disable("the cache directory was removed")
             else:
                 with self._lock:
-                    self._index.discard(entry)
+                    self._index.discard(entry.key, entry)
             return None
         except CorruptEntryError as exc:
             obj.ref_count_down()
@@ -594,8 +598,7 @@ class LocalDiskBackend(StorageBackend):
 
     def _drop_bad(self, entry: DiskEntry) -> None:
         with self._lock:
-            dropped = self._index.discard(entry)
-            if dropped:
+            if self._index.discard(entry.key, entry):
                 self._unlink(entry.name)
         if dropped:
             self._notify("removed", [entry.key])
@@ -654,8 +657,8 @@ class LocalDiskBackend(StorageBackend):
                     return
                 self._doomed.discard(name)  # an older file of this key, evicted but not yet unlinked, is replaced
                 os.rename(tmp, os.path.join(self.directory, name))
-                entry = DiskEntry(item.key, name, item.obj.meta, len(header), item.size, pins=item.pins)
-                self._index.commit(entry, item.size)
+                entry = DiskEntry(item.key, name, item.obj.meta, len(header), item.size)
+                self._index.commit(item.key, entry, item.size, item.size, pins=item.pins)
                 self._to_sync.append(item.seq)
                 self.stats.add(writes_completed=1, bytes_written=item.size)
                 self._finish_locked(item)
@@ -696,7 +699,7 @@ class LocalDiskBackend(StorageBackend):
             new = max(PAGE, min(old, room if room is not None else self._index.used))
             self._index.capacity = new
             self._lowered_at = time.monotonic()
-            victims = self._index.shrink_to_capacity()
+            victims = [entry for _, entry in self._index.shrink_to_capacity()]
             for victim in victims:
                 self._unlink(victim.name)
             fits = self._index.used + self._index.reserved <= new

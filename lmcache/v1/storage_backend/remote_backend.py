@@ -28,7 +28,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.stats import Counters
-from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
 from lmcache.v1.storage_backend.connector import (
     RedisConnector,
     RemoteAuthError,
@@ -50,7 +50,6 @@ from lmcache.v1.storage_backend.entry_format import (
     payload_checksum,
     verify_payload,
 )
-from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +189,7 @@ class RemoteBackend(StorageBackend):
 
     Ownership: ``submit_put`` takes its own reference on the object until its write
     has finished (the pool memory is sent without a copy) and never consumes the
-    caller's. ``get_blocking`` allocates the result from ``local_cpu`` (the caller
+    caller's. ``get_blocking`` allocates the result from ``memory`` (the CPU pool; the caller
     owns its one reference; the StorageManager promotes it into L1) and reads the
     value straight into it.
 
@@ -210,7 +209,7 @@ class RemoteBackend(StorageBackend):
     def __init__(
         self,
         config: LMCacheEngineConfig,
-        local_cpu: LocalCPUBackend,
+        memory: TierMemory,
         namespace: str = "kv",
         *,
         connector: RedisConnector | None = None,
@@ -221,9 +220,9 @@ class RemoteBackend(StorageBackend):
             raise ValueError(f"namespace={namespace!r}: expected a non-empty name without ':'")
         self.url = mask_url(config.remote_url)
         self.namespace = namespace
-        self.local_cpu = local_cpu
+        self.memory = memory
         try:
-            self.options = RemoteOptions.from_config(config, local_cpu.allocator.capacity)
+            self.options = RemoteOptions.from_config(config, memory.capacity)
             self.connector = connector or create_connector(
                 config.remote_url,
                 timeout=config.remote_timeout,
@@ -342,7 +341,7 @@ class RemoteBackend(StorageBackend):
                 raise CorruptEntryError(
                     f"value has {value_len} bytes, header says {hdr.header_len} + {hdr.payload_len}"
                 )
-            obj = self.local_cpu.allocate(hdr.meta.shape, hdr.meta.dtype, hdr.meta.fmt)
+            obj = self.memory.allocate(hdr.meta.shape, hdr.meta.dtype, hdr.meta.fmt)
             if obj is None:
                 raise _NoRoom()
             got.append((hdr, obj))

@@ -1,7 +1,12 @@
 """StorageManager: one front door to the tiers (L1 CPU, L2 disk, L3 remote).
 
+The manager owns the CPU pool (:class:`PoolAllocator`). L1 keeps its entries in it;
+the lower tiers get a :class:`PoolMemory` (the pool's size and its allocate-or-evict
+function) to read into, so no tier imports or calls another tier.
+
 Writes go to L1 and are written through to the lower tiers asynchronously. Reads try
-L1 first, then each lower tier in order; a lower-tier hit is promoted into L1.
+L1 first, then each lower tier in order; a lower-tier hit is promoted into L1 in the
+same visit that records the hits of the sequence (tail to head).
 Allocation failure is not an error: the caller skips the store.
 """
 
@@ -10,15 +15,17 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.errors import resolved
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import CacheStats
-from lmcache.v1.storage_backend.abstract_backend import StorageBackend
+from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
@@ -27,10 +34,20 @@ logger = logging.getLogger(__name__)
 STAGING_POOL_GIB = 1.0  # pool size when local_cpu is off (staging for lower tiers only)
 
 
-def _done(value: object) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """What :meth:`StorageManager.batched_lookup` found."""
+
+    hits: int
+    """Leading chunks present (for every layer)."""
+    pinned: tuple[CacheEngineKey, ...] = ()
+    """L1 keys this lookup pinned (undo with :meth:`StorageManager.batched_unpin`)."""
+
+
+def split_per_layer(keys: Sequence[CacheEngineKey], num_layers: int) -> list[list[LayerCacheEngineKey]]:
+    """``result[layer][chunk]``: the layer keys of chunk keys ``keys``."""
+    per_chunk = [k.split_layers(num_layers) for k in keys]
+    return [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)]
 
 
 class StorageManager:
@@ -60,10 +77,12 @@ class StorageManager:
             retain=config.local_cpu,
             on_evict=lambda n: self.stats.add(evictions=n),
         )
+        self.memory = PoolMemory(self.allocator.capacity, self.local_cpu.allocate)
+        """What the lower tiers allocate their reads from (this manager's pool)."""
         if lower_backends is None:
             from lmcache.v1.storage_backend import create_lower_backends
 
-            lower_backends = create_lower_backends(config, self.local_cpu, namespace=namespace)
+            lower_backends = create_lower_backends(config, self.memory, namespace=namespace)
         self.lower: list[StorageBackend] = list(lower_backends)
         self._closed = False
 
@@ -102,7 +121,7 @@ class StorageManager:
         for backend in self.lower:
             obj = backend.get_blocking(key)
             if obj is not None:
-                self.local_cpu.submit_put(key, obj)
+                self.local_cpu.admit_sequence([key], [obj])
                 return obj
         return None
 
@@ -111,29 +130,15 @@ class StorageManager:
     ) -> list[MemoryObj | None]:
         """Objects for a prefix of ``keys``; entries after the first miss are None.
 
-        The L1 prefix is read inline; the rest is read from the lower tiers in parallel
-        (their reader threads), not one blocking read after another. If ``sources`` is
-        given, the tier (``StorageBackend.tier``: "cpu", "disk", "remote") of each
-        returned object is appended to it, in order.
+        The L1 prefix is read inline (one lock hold); the rest is read from the lower
+        tiers in parallel (their reader threads), not one blocking read after another.
+        L1 then sees the whole result once: hits are touched and lower-tier hits
+        promoted, from the tail to the head so the head stays most recent.
         """
-        out: list[MemoryObj | None] = []
-        for key in keys:
-            obj = self.local_cpu.get_blocking(key)
-            if obj is None:
-                break
-            out.append(obj)
-        n_l1 = len(out)
-        holders: list[list[str]] = [[] for _ in keys[n_l1:]]
+        out: list[MemoryObj | None] = list(self.local_cpu.get_prefix(keys))
         if len(out) < len(keys):
-            futures = [self._get_non_blocking(k, h) for k, h in zip(keys[n_l1:], holders)]
-            out += _gather_prefix(futures).result()
-        if sources is not None:
-            sources.extend(self.local_cpu.tier for _ in range(n_l1))
-            sources.extend(h[0] if h else "unknown" for h, o in zip(holders, out[n_l1:]) if o is not None)
-        # touch from tail to head so the head stays most recent
-        for key, obj in zip(reversed(keys), reversed(out)):
-            if obj is not None:
-                self.local_cpu.touch(key)
+            out += _gather_prefix([self._read_lower(k) for k in keys[len(out) :]]).result()
+        self.local_cpu.admit_sequence(keys[: len(out)], out)
         return out
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
@@ -146,14 +151,18 @@ class StorageManager:
         """:meth:`get_non_blocking`; a hit appends its tier name to ``source``."""
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
-            if source is not None:
-                source.append(self.local_cpu.tier)
-            return _done(obj)
+            return resolved(obj)
         out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out, source)
+        self._read_from(key, 0, out, promote=True)
         return out
 
-    def _read_from(self, key: CacheEngineKey, tier: int, out: Future, source: list[str] | None = None) -> None:
+    def _read_lower(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+        """Future of the first lower-tier hit of ``key`` (None if none), not promoted."""
+        out: Future[MemoryObj | None] = Future()
+        self._read_from(key, 0, out, promote=False)
+        return out
+
+    def _read_from(self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool) -> None:
         """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
         if tier == len(self.lower):
             out.set_result(None)
@@ -162,11 +171,10 @@ class StorageManager:
         def _done_reading(fut: Future) -> None:
             obj = None if fut.cancelled() or fut.exception() is not None else fut.result()
             if obj is None:
-                self._read_from(key, tier + 1, out, source)
+                self._read_from(key, tier + 1, out, promote=promote)
                 return
-            if source is not None:
-                source.append(self.lower[tier].tier)
-            self.local_cpu.submit_put(key, obj)
+            if promote:
+                self.local_cpu.admit_sequence([key], [obj])
             out.set_result(obj)
 
         self.lower[tier].get_non_blocking(key).add_done_callback(_done_reading)
@@ -185,36 +193,65 @@ class StorageManager:
         """
         for layer, keys in enumerate(keys_per_layer):
             # L1 hits are read inline (no per-key future); the rest go to the tiers' futures.
-            resident: list[MemoryObj] = []
-            for key in keys:
-                obj = self.local_cpu.get_blocking(key)
-                if obj is None:
-                    break
-                resident.append(obj)
-            holders: list[list[str]] = [[self.local_cpu.tier] for _ in resident]
-            holders += [[] for _ in keys[len(resident) :]]
-            if sources is not None and layer == 0:
-                sources.extend(holders)
+            resident = self.local_cpu.get_prefix(keys)
+            self.local_cpu.touch_sequence(keys[: len(resident)])
             if len(resident) == len(keys):
-                yield _done(resident)
+                yield resolved(resident)
                 continue
-            futures = [_done(o) for o in resident] + [
-                self._get_non_blocking(k, h) for k, h in zip(keys[len(resident) :], holders[len(resident) :])
-            ]
+            futures = [resolved(o) for o in resident] + [self.get_non_blocking(k) for k in keys[len(resident) :]]
             yield _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return any(b.contains(key, pin and b is self.local_cpu) for b in self.backends)
 
-    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
-        """Number of leading keys present in some tier (pinning the L1 ones if asked)."""
-        found = self.local_cpu.batched_contains(keys, pin)
-        for backend in self.lower:
-            if found == len(keys):
+    def batched_contains(
+        self, keys: Sequence[CacheEngineKey], pin: bool = False, *, num_layers: int | None = None
+    ) -> int:
+        """Number of leading keys present in some tier (pinning the L1 ones if asked).
+
+        With ``num_layers`` the keys are chunk keys of a layerwise engine: a chunk counts
+        only when all its ``num_layers`` layer keys are present (see
+        :meth:`batched_lookup`). One batched call per tier and layer, never one per key.
+        """
+        if num_layers is None:
+            return self.batched_lookup([keys], pin).hits
+        return self.batched_lookup(split_per_layer(keys, num_layers), pin).hits
+
+    def batched_lookup(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]], pin: bool = False) -> LookupResult:
+        """The leading chunks present for every layer (``keys_per_layer[layer][chunk]``;
+        one inner list for a bulk engine), pinning the L1 entries found if asked.
+
+        Per layer, L1 answers first (in memory) and only the rest goes to the lower
+        tiers, as one batched call each; a layer only asks about the chunks the layers
+        before it had. The pinned keys are returned for :meth:`batched_unpin`.
+        """
+        found = len(keys_per_layer[0]) if keys_per_layer else 0
+        pinned: list[CacheEngineKey] = []
+        for layer_list in keys_per_layer:
+            if not found:
                 break
-            found += backend.batched_contains(keys[found:])
-        return found
+            candidates = layer_list[:found]
+            hit = self.local_cpu.batched_contains(candidates, pin)
+            if pin:
+                pinned.extend(candidates[:hit])
+            for backend in self.lower:
+                if hit == found:
+                    break
+                hit += backend.batched_contains(candidates[hit:])
+            found = hit
+        return LookupResult(found, tuple(pinned))
+
+    def batched_unpin(self, keys: Sequence[CacheEngineKey], *, num_layers: int | None = None) -> None:
+        """Undo one pin of each of ``keys`` (with ``num_layers``: of every layer key of each chunk)."""
+        if num_layers is not None:
+            keys = [k for layer_list in split_per_layer(keys, num_layers) for k in layer_list]
+        self.local_cpu.batched_unpin(keys)
+
+    def batched_touch(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Record L1 hits for ``keys`` (head first) from the last to the first, in one
+        visit, so the head stays the most recent entry (tail evicted before head)."""
+        self.local_cpu.touch_sequence(keys)
 
     def is_resident(self, key: CacheEngineKey) -> bool:
         """Whether L1 holds the key (in-memory check, never I/O)."""
