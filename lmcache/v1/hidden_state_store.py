@@ -11,8 +11,9 @@ Storage model
 * One entry per ``(chunk key, layer_idx)``: a ``[chunk_tokens, hidden_dim]`` MemoryObj
   (format ``HS_TD``) in the store's own :class:`PoolAllocator`, sized by
   ``max_hidden_state_cpu_size`` GiB. The KV pool is never touched.
-* The store's own eviction policy (LRU) orders the entries. Pool pressure evicts hidden
-  states only, never KV.
+* The store's own :class:`~lmcache.v1.storage_backend.resident_index.ResidentIndex`
+  (LRU policy, atomic eviction: enough victims or none; entries being read are never
+  evicted) orders the entries. Pool pressure evicts hidden states only, never KV.
 * Coupled eviction is lazy: ``retrieve_hidden_states`` asks
   ``storage_manager.contains(key)`` for every chunk it is about to return (with
   ``use_layerwise``, for each of the chunk's per-layer KV keys). A chunk whose KV is
@@ -60,7 +61,9 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import Counters
+from lmcache.errors import LogOnce
 from lmcache.v1.storage_backend.cache_policy import make_policy
+from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.token_database import ChunkSpan, TokenInput, tokens_to_array
 
@@ -138,13 +141,12 @@ class HiddenStateStore:
         self._allowed_text = None if layers is None else str(sorted(set(layers)))
         self.allocator = PoolAllocator(int(config.max_hidden_state_cpu_size * GiB))
         self.stats = HiddenStateStats()
-        self._policy = make_policy(HS_POLICY)
-        self._entries: dict[HSKey, MemoryObj] = {}
+        # entries another thread holds a reference to (a retrieve copying them) are busy
+        self._index: ResidentIndex[HSKey, MemoryObj] = ResidentIndex(make_policy(HS_POLICY), busy=_held)
         self._layers_of: dict[CacheEngineKey, set[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._warned_full = False
-        self._warned_dim = False
+        self._log_once = LogOnce(logger)
 
     def bind_storage_manager(self, storage_manager: StorageManager | None) -> None:
         """Use ``storage_manager`` for the coupled-eviction check (None: KV counts as present)."""
@@ -263,12 +265,12 @@ class HiddenStateStore:
                     break
                 if hits and obj.shape[1] != hits[0][1].shape[1]:
                     obj.ref_count_down()
-                    if not self._warned_dim:
-                        self._warned_dim = True
-                        logger.warning(
-                            "hidden states of layer %d change hidden_dim inside one sequence; prefix cut (logged once)",
-                            layer_idx,
-                        )
+                    self._log_once(
+                        logging.WARNING,
+                        "dim",
+                        "hidden states of layer %d change hidden_dim inside one sequence; prefix cut (logged once)",
+                        layer_idx,
+                    )
                     break
                 if not self._kv_present(span.key):
                     obj.ref_count_down()
@@ -286,9 +288,7 @@ class HiddenStateStore:
                 out[pos : pos + src.shape[0]].copy_(src)
                 pos += src.shape[0]
             with self._lock:
-                for key, _ in reversed(hits):  # tail first: the head stays most recent
-                    if key in self._entries:
-                        self._policy.on_hit(key)
+                self._index.touch_sequence([key for key, _ in hits])  # tail first: the head stays most recent
             self.stats.add(hit_tokens=total)
             return out
         finally:
@@ -299,7 +299,7 @@ class HiddenStateStore:
     def __len__(self) -> int:
         """Number of entries, partial continuation buffers included."""
         with self._lock:
-            return len(self._entries)
+            return len(self._index)
 
     @property
     def used_bytes(self) -> int:
@@ -314,7 +314,7 @@ class HiddenStateStore:
     def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
         """Whether hidden states of ``layer_idx`` are cached under chunk ``key`` (KV not checked)."""
         with self._lock:
-            return HSKey(key, layer_idx) in self._entries
+            return HSKey(key, layer_idx) in self._index
 
     def drop_key(self, key: CacheEngineKey) -> bool:
         """Drop the hidden states of every layer of chunk ``key``; True if there were any."""
@@ -330,7 +330,7 @@ class HiddenStateStore:
             if self._closed:
                 return
             self._closed = True
-            for key in list(self._entries):
+            for key in self._index.keys():
                 self._drop_locked(key)
         self.allocator.close()
 
@@ -411,15 +411,24 @@ class HiddenStateStore:
 
     def _touch(self, key: HSKey) -> bool:
         with self._lock:
-            if key not in self._entries:
-                return False
-            self._policy.on_hit(key)
-            return True
+            return self._index.touch(key)
+
+    def keys(self) -> list[HSKey]:
+        """Keys of the entries (partial continuation buffers included), snapshot."""
+        with self._lock:
+            return self._index.keys()
+
+    def acquire(self, key: HSKey) -> MemoryObj | None:
+        """The entry with one reference taken for the caller, or None.
+
+        While the caller holds the reference the entry is never evicted; the caller
+        drops it with ``ref_count_down()``. Never blocks on I/O."""
+        return self._acquire(key)
 
     def _acquire(self, key: HSKey) -> MemoryObj | None:
         """The entry with one reference taken for the caller (so it cannot be evicted)."""
         with self._lock:
-            obj = self._entries.get(key)
+            obj = self._index.get(key)
             if obj is not None:
                 obj.ref_count_up()
             return obj
@@ -429,27 +438,19 @@ class HiddenStateStore:
         obj = self.allocator.allocate(shape, dtype, MemoryFormat.HS_TD)
         if obj is not None:
             return obj
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        if self.allocator.can_ever_fit(nbytes):
-            evicted = 0
-            with self._lock:
-                for key in self._policy.victims():
-                    victim = self._entries.get(key)
-                    if victim is None or victim.ref_count > 1:
-                        continue
-                    self._drop_locked(key)
-                    evicted += 1
-                    obj = self.allocator.allocate(shape, dtype, MemoryFormat.HS_TD)
-                    if obj is not None:
-                        break
-            if evicted:
-                self.stats.add(evictions=evicted)
-        if obj is None and not self._warned_full:
-            self._warned_full = True
-            logger.warning(
+        with self._lock:
+            obj, evicted = allocate_evicting(
+                self._index, self.allocator, shape, dtype, MemoryFormat.HS_TD, self._forget_locked
+            )
+        if evicted:
+            self.stats.add(evictions=evicted)
+        if obj is None:
+            self._log_once(
+                logging.WARNING,
+                "full",
                 "hidden-state pool full (%d bytes, nothing evictable for %d more): skipping stores (logged once)",
                 self.allocator.capacity,
-                nbytes,
+                shape[0] * shape[1] * dtype.itemsize,
             )
         return obj
 
@@ -464,17 +465,15 @@ class HiddenStateStore:
             if self._closed:
                 return 0
             for key, obj in reversed(built):
-                if key in self._entries:  # another thread stored it meanwhile
-                    self._policy.on_hit(key)
+                if self._index.touch(key):  # another thread stored it meanwhile
                     continue
                 obj.ref_count_up()
-                self._entries[key] = obj
+                self._index.insert(key, obj, obj.get_physical_size())
                 self._layers_of.setdefault(key.chunk, set()).add(key.layer_idx)
-                self._policy.on_insert(key)
                 if obj.shape[0] == chunk_size or self.save_unfull_chunk:
                     visible += obj.shape[0]
                     chunks += 1
-            if consumed is not None and not self.save_unfull_chunk and consumed in self._entries:
+            if consumed is not None and not self.save_unfull_chunk and consumed in self._index:
                 self._drop_locked(consumed)
         self.stats.add(stored_tokens=visible)
         return chunks
@@ -488,16 +487,24 @@ class HiddenStateStore:
             self.stats.add(orphans_dropped=len(layers))
 
     def _drop_locked(self, key: HSKey) -> None:
-        obj = self._entries.pop(key, None)
+        obj = self._index.pop(key)
         if obj is None:
             return
-        self._policy.on_remove(key)
+        self._forget_locked(key, obj)
+
+    def _forget_locked(self, key: HSKey, obj: MemoryObj) -> None:
+        """Release an entry already out of the index."""
         layers = self._layers_of.get(key.chunk)
         if layers is not None:
             layers.discard(key.layer_idx)
             if not layers:
                 del self._layers_of[key.chunk]
         obj.ref_count_down()
+
+
+def _held(obj: MemoryObj) -> bool:
+    """Someone besides the store holds the entry (a retrieve copying it): not evictable."""
+    return obj.ref_count > 1
 
 
 def _new_float32(rows: int, cols: int) -> torch.Tensor:

@@ -618,7 +618,7 @@ def test_entry_being_read_is_not_evicted() -> None:
         kv.store(engine, b)
         hs.store_hidden_states(a, hs_of(34, 16))
         # simulate a reader holding A's entry (as retrieve does while copying)
-        held = hs._acquire(next(iter(hs._entries)))
+        held = hs.acquire(hs.keys()[0])
         try:
             assert hs.store_hidden_states(b, hs_of(35, 16)) == 0  # nothing evictable
         finally:

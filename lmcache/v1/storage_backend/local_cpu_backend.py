@@ -9,10 +9,10 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
-from lmcache.v1.storage_backend.resident_index import ResidentIndex
+from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
 
 logger = logging.getLogger(__name__)
 
@@ -67,29 +67,15 @@ class LocalCPUBackend(StorageBackend):
 
         Eviction is atomic by bytes: victims that free enough pool bytes are picked
         first, or nothing is evicted. Should the freed space be fragmented (the pool's
-        slabs), further entries are evicted one at a time until the object fits."""
+        slabs), further entries are evicted one at a time until the object fits. The
+        tier's lock is taken only when the pool is full."""
         obj = self.allocator.allocate(shape, dtype, fmt)
         if obj is not None:
             return obj
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        if not self.allocator.can_ever_fit(nbytes):
-            return None
-        need = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
-        evicted = 0
         with self._lock:
-            victims = self._index.make_room(need - self.allocator.free_bytes)
-            if victims is not None:
-                for _, victim in victims:
-                    self._release(victim)
-                evicted = len(victims)
-                obj = self.allocator.allocate(shape, dtype, fmt)
-                while obj is None:  # enough bytes, but not contiguous in one slab
-                    victim_pair = self._index.evict_one()
-                    if victim_pair is None:
-                        break
-                    self._release(victim_pair[1])
-                    evicted += 1
-                    obj = self.allocator.allocate(shape, dtype, fmt)
+            obj, evicted = allocate_evicting(
+                self._index, self.allocator, shape, dtype, fmt, lambda _key, victim: self._release(victim)
+            )
         if evicted and self._on_evict is not None:
             self._on_evict(len(evicted))
         self._notify("removed", evicted)

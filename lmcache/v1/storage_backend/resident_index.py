@@ -32,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, Hashable, Iterable, Iterator, Sequence, TypeVar
 
+import torch
+
+from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 
 K = TypeVar("K", bound=Hashable)
@@ -253,3 +256,44 @@ class ResidentIndex(Generic[K, V]):
             if self.used + self.reserved <= self.capacity:
                 break
         return victims
+
+
+def allocate_evicting(
+    index: ResidentIndex[K, MemoryObj],
+    allocator: PoolAllocator,
+    shape: tuple[int, ...] | torch.Size,
+    dtype: torch.dtype,
+    fmt: MemoryFormat,
+    drop: Callable[[K, MemoryObj], None],
+) -> tuple[MemoryObj | None, int]:
+    """A pool object (ref 1, caller owns it), evicting entries of ``index`` as needed.
+
+    For an index whose entries are objects of ``allocator`` (``capacity=None``). The
+    eviction is atomic by bytes: victims freeing enough pool bytes are picked first, or
+    nothing is evicted and None returned. ``drop(key, obj)`` releases each victim
+    (already out of the index). Should the freed bytes be fragmented across the pool's
+    slabs, further entries are evicted one at a time until the object fits. Returns
+    the object (or None) and the number of evicted entries. Call under the owner's lock.
+    """
+    obj = allocator.allocate(shape, dtype, fmt)
+    if obj is not None:
+        return obj, 0
+    nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    if not allocator.can_ever_fit(nbytes):
+        return None, 0
+    need = (max(nbytes, 1) + ALIGN - 1) // ALIGN * ALIGN
+    victims = index.make_room(need - allocator.free_bytes)
+    if victims is None:
+        return None, 0
+    for key, victim in victims:
+        drop(key, victim)
+    evicted = len(victims)
+    obj = allocator.allocate(shape, dtype, fmt)
+    while obj is None:  # enough bytes, but not contiguous in one slab
+        one = index.evict_one()
+        if one is None:
+            break
+        drop(*one)
+        evicted += 1
+        obj = allocator.allocate(shape, dtype, fmt)
+    return obj, evicted
