@@ -153,3 +153,20 @@ def test_make_room_is_all_or_nothing():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity=0"):
         ResidentIndex(make_policy("LRU"), 0)
+
+
+def test_storage_errors_share_the_lmcache_root():
+    from lmcache.errors import LMCacheError
+    from lmcache.v1.storage_backend.connector.errors import (
+        RemoteAuthError,
+        RemoteError,
+        RemoteUnavailable,
+        RemoteWrongType,
+    )
+    from lmcache.v1.storage_backend.connector.resp import ReplyError
+    from lmcache.v1.storage_backend.entry_format import CorruptEntryError
+
+    for cls in (CorruptEntryError, RemoteError, RemoteUnavailable, RemoteAuthError, RemoteWrongType, ReplyError):
+        assert issubclass(cls, LMCacheError), cls
+    assert issubclass(CorruptEntryError, ValueError)  # callers' ``except ValueError`` still match
+    assert issubclass(ReplyError, RemoteError)

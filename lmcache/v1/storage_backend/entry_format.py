@@ -15,6 +15,8 @@ Decoding never executes code from the data (no pickle).
 
 from __future__ import annotations
 
+from lmcache.errors import LMCacheError
+
 import struct
 from dataclasses import dataclass
 
@@ -45,7 +47,7 @@ _DTYPES: dict[int, torch.dtype] = {
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 
 
-class CorruptEntryError(ValueError):
+class CorruptEntryError(LMCacheError, ValueError):
     """The bytes are not a valid entry for the expected key (treat as a miss)."""
 
 

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from lmcache.errors import LogOnce, resolved
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
 from lmcache.v1.memory_management import GiB, MemoryObj
@@ -175,12 +176,6 @@ class _PendingWrite:
     finished: bool = False
 
 
-def _done(value: MemoryObj | None) -> Future[MemoryObj | None]:
-    fut: Future[MemoryObj | None] = Future()
-    fut.set_result(value)
-    return fut
-
-
 class LocalDiskBackend(StorageBackend):
     """Entries on a local filesystem, surviving restarts, verified on every read.
 
@@ -219,7 +214,7 @@ class LocalDiskBackend(StorageBackend):
         self._seq = 0
         self._disabled: str | None = None
         self._closed = False
-        self._logged: set[str] = set()
+        self._logged = LogOnce(logger)
         try:
             self._owner = OwnerLock(self.directory)
             self._dir_fd = open_private_dir(self.directory, create=False, what="disk cache directory")
@@ -489,11 +484,11 @@ class LocalDiskBackend(StorageBackend):
             known = not (self._closed or self._disabled) and (key in self._pending or key in self._index)
         if not known and not self._discover(key):
             self.stats.add(misses=1)
-            return _done(None)
+            return resolved(None)
         try:
             return self._readers.submit(self.get_blocking, key)
         except RuntimeError:  # shut down by close()
-            return _done(None)
+            return resolved(None)
 
     def remove(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -809,11 +804,8 @@ class LocalDiskBackend(StorageBackend):
             self._log_once(logging.WARNING, "unlink", "lmcache disk tier: cannot delete %s: %s", name, exc)
 
     def _log_once(self, level: int, kind: str, msg: str, *args: Any) -> None:
-        if kind in self._logged:
+        if not self._logged(level, kind, msg + " (further occurrences logged at debug level)", *args):
             logger.debug(msg, *args)
-            return
-        self._logged.add(kind)
-        logger.log(level, msg + " (further occurrences logged at debug level)", *args)
 
 
 def _prepare_directory(root: str, directory: str, raw: str | None) -> None:

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from lmcache.errors import LogOnce, resolved
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
@@ -245,7 +246,7 @@ class RemoteBackend(StorageBackend):
         self._closed = False
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
-        self._warned: set[str] = set()
+        self._log_once = LogOnce(logger)
         self._connect_at_start()
 
     # ------------------------------------------------------------------ state
@@ -379,11 +380,11 @@ class RemoteBackend(StorageBackend):
         """:meth:`get_blocking` on a reader thread; resolves to None at once when unavailable."""
         if not self._usable():
             self.stats.add(misses=1)
-            return _resolved(None)
+            return resolved(None)
         try:
             return self._reader.submit(self.get_blocking, key)
         except RuntimeError:  # closed concurrently
-            return _resolved(None)
+            return resolved(None)
 
     def remove(self, key: CacheEngineKey) -> bool:
         if not self._usable():
@@ -434,9 +435,8 @@ class RemoteBackend(StorageBackend):
                             self.url, exc)
         except Exception:  # last resort on a background thread: never lose the error silently
             self.stats.add(put_errors=1, errors=1)
-            if "unexpected-write" not in self._warned:
-                self._warned.add("unexpected-write")
-                logger.exception("remote tier %s: unexpected error in a write (logged once)", self.url)
+            self._log_once(logging.ERROR, "unexpected-write", "remote tier %s: unexpected error in a write (logged once)",
+                           self.url, exc_info=True)
         finally:
             self._write_done(rkey, obj, size)
 
@@ -530,20 +530,11 @@ class RemoteBackend(StorageBackend):
             logger.info("remote tier connected: %s (namespace %r)", self.url, self.namespace)
 
     def _warn_once(self, tag: str, msg: str, *args: object) -> None:
-        if tag in self._warned:
+        if not self._log_once(logging.WARNING, tag, msg, *args):
             logger.debug(msg, *args)
-            return
-        self._warned.add(tag)
-        logger.warning(msg, *args)
 
     @staticmethod
     def _release(got: list[tuple[Any, MemoryObj]]) -> None:
         for _, obj in got:
             obj.ref_count_down()
         got.clear()
-
-
-def _resolved(value: MemoryObj | None) -> Future[MemoryObj | None]:
-    fut: Future[MemoryObj | None] = Future()
-    fut.set_result(value)
-    return fut

@@ -9,8 +9,10 @@ plan (e.g. a corrupt entry) pass through the connector unchanged.
 
 from __future__ import annotations
 
+from lmcache.errors import LMCacheError
 
-class RemoteError(Exception):
+
+class RemoteError(LMCacheError):
     """A remote call failed for this key only (bad reply, server-side error)."""
 
 
