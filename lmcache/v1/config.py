@@ -182,6 +182,9 @@ def _as_policy(key: str, value: Any) -> str:
     return value.strip().upper()
 
 
+SCALAR_PARSERS = {"bool": _as_bool, "int": _as_int, "float": _as_float}
+"""Parsers of scalar option types by annotation name (used by :mod:`lmcache.v1.options`)."""
+
 _PARSERS = {
     "chunk_size": _as_int,
     "local_cpu": _as_bool,

@@ -18,9 +18,10 @@ import torch
 
 from lmcache.integration.vllm.utils import default_socket_dir, instance_id
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig, _as_float
+from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.layerwise import create_gpu_connector
 from lmcache.v1.metadata import LMCacheEngineMetadata
+from lmcache.v1.options import option, parse_options
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,21 @@ class AdapterSettings:
         return self.head_size if self.use_mla else self.num_kv_heads * self.head_size
 
 
+@dataclass(frozen=True, slots=True)
+class LookupOptions:
+    """The scheduler-lookup options of the adapter (``extra_config``; typed, see
+    :mod:`lmcache.v1.options`)."""
+
+    socket_dir: str | None = option(
+        None, "lookup_socket_dir", "directory of the scheduler-worker lookup sockets", default_doc="a private temp dir"
+    )
+    timeout: float = option(2.0, "lookup_timeout", "seconds a scheduler lookup waits for the workers (then a miss)", gt=0)
+
+    @classmethod
+    def from_config(cls, config: LMCacheEngineConfig) -> LookupOptions:
+        return parse_options(cls, config.extra_config)
+
+
 def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
     """Read the vLLM config (raises ValueError/ConfigError for unsupported setups)."""
     ktc = vllm_config.kv_transfer_config
@@ -102,9 +118,7 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
         )
     model = vllm_config.model_config
     role = getattr(ktc, "kv_role", None) or "kv_both"
-    timeout = _as_float("extra_config.lookup_timeout", config.get_extra("lookup_timeout", 2.0))  # finite
-    if timeout <= 0:
-        raise ValueError(f"extra_config.lookup_timeout={timeout!r}: expected seconds > 0")
+    lookup = LookupOptions.from_config(config)
     device_cfg = getattr(vllm_config, "device_config", None)
     device = str(getattr(device_cfg, "device_type", None) or getattr(device_cfg, "device", None) or "cpu")
     return AdapterSettings(
@@ -121,8 +135,8 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
         head_size=int(model.get_head_size()),
         use_mla=bool(getattr(model, "use_mla", False)),
         device=device,
-        socket_dir=str(config.get_extra("lookup_socket_dir", None) or default_socket_dir()),
-        lookup_timeout=timeout,
+        socket_dir=lookup.socket_dir or default_socket_dir(),
+        lookup_timeout=lookup.timeout,
     )
 
 

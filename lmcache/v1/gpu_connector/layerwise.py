@@ -46,6 +46,7 @@ import torch
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
+from lmcache.v1.gpu_connector.options import ConnectorOptions
 from lmcache.v1.gpu_connector.paged import PagedKVBase, VLLMPagedMemGPUConnectorV2
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import PagedKV
@@ -351,6 +352,6 @@ def create_gpu_connector(
     kw = dict(chunk_size=config.chunk_size, dtype=dtype, device=device, use_mla=use_mla, layout=layout)
     if not config.use_layerwise:
         return VLLMPagedMemGPUConnectorV2(*args, **kw)
-    if bool(config.get_extra("use_gpu", False)) or bool(config.get_extra("enable_blending", False)):
+    if ConnectorOptions.from_config(config).buffered:  # typed: "false" is False
         return VLLMBufferLayerwiseGPUConnector(*args, **kw)
     return VLLMPagedMemLayerwiseGPUConnector(*args, **kw)

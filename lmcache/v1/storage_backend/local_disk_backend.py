@@ -21,9 +21,8 @@ what the filesystem gives, evicts its own entries to fit and keeps caching (the
 capacity grows back, up to ``max_local_disk_size``, when space frees up); a permission
 error or a removed directory disables the tier. Each is logged once.
 
-Options (``extra_config``): ``local_disk_o_direct`` (bool, default false),
-``local_disk_write_threads`` (2), ``local_disk_read_threads`` (2),
-``local_disk_queue_depth`` (64 entries), ``local_disk_close_timeout`` (60 s).
+Options (``extra_config``): :class:`DiskTierOptions` (keys, types, defaults and bounds
+in its fields; tabled in docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ import torch
 
 from lmcache.errors import LogOnce, resolved
 from lmcache.utils import CacheEngineKey
-from lmcache.v1.config import ConfigError, LMCacheEngineConfig, _as_bool, _as_float, _as_int
+from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryObj
+from lmcache.v1.options import option, parse_options
 from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
 from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
@@ -81,16 +81,20 @@ _REGROW_INTERVAL = 5.0  # seconds between free-space checks while the capacity i
 
 @dataclass(frozen=True, slots=True)
 class DiskTierOptions:
-    """The disk tier's settings, validated (bad values raise ConfigError)."""
+    """The disk tier's settings, validated (bad values raise ConfigError).
+
+    ``root``, ``capacity_bytes`` and ``cache_policy`` come from the top-level keys
+    (``local_disk``, ``max_local_disk_size``, ``cache_policy``); the rest are the
+    ``extra_config`` options below (their metadata is the docs' source)."""
 
     root: str
     capacity_bytes: int
     cache_policy: str = "LRU"
-    o_direct: bool = False
-    write_threads: int = 2
-    read_threads: int = 2
-    queue_depth: int = 64
-    close_timeout: float = 60.0
+    o_direct: bool = option(False, EXTRA_O_DIRECT, "O_DIRECT reads and writes (buffered I/O if the filesystem refuses)")
+    write_threads: int = option(2, EXTRA_WRITE_THREADS, "writer threads", ge=1)
+    read_threads: int = option(2, EXTRA_READ_THREADS, "reader threads for non-blocking reads (prefetch)", ge=1)
+    queue_depth: int = option(64, EXTRA_QUEUE_DEPTH, "queued writes; a full queue drops new writes (counted)", ge=1)
+    close_timeout: float = option(60.0, EXTRA_CLOSE_TIMEOUT, "seconds `close()` waits for queued writes", ge=0)
 
     @classmethod
     def from_config(cls, config: LMCacheEngineConfig) -> DiskTierOptions:
@@ -102,30 +106,13 @@ class DiskTierOptions:
             raise ConfigError(
                 f"max_local_disk_size={config.max_local_disk_size!r}: expected a size in GiB of at least one page"
             )
-
-        def extra(name: str, parse: Any, default: Any) -> Any:
-            return parse(f"extra_config.{name}", config.get_extra(name, default))
-
-        opts = cls(
+        return parse_options(
+            cls,
+            config.extra_config,
             root=os.path.abspath(os.path.expanduser(path)),
             capacity_bytes=capacity,
             cache_policy=config.cache_policy,
-            o_direct=extra(EXTRA_O_DIRECT, _as_bool, False),
-            write_threads=extra(EXTRA_WRITE_THREADS, _as_int, 2),
-            read_threads=extra(EXTRA_READ_THREADS, _as_int, 2),
-            queue_depth=extra(EXTRA_QUEUE_DEPTH, _as_int, 64),
-            close_timeout=extra(EXTRA_CLOSE_TIMEOUT, _as_float, 60.0),
         )
-        for name, value in (
-            (EXTRA_WRITE_THREADS, opts.write_threads),
-            (EXTRA_READ_THREADS, opts.read_threads),
-            (EXTRA_QUEUE_DEPTH, opts.queue_depth),
-        ):
-            if value < 1:
-                raise ConfigError(f"extra_config.{name}={value!r}: expected an integer >= 1")
-        if opts.close_timeout < 0:
-            raise ConfigError(f"extra_config.{EXTRA_CLOSE_TIMEOUT}={opts.close_timeout!r}: expected seconds >= 0")
-        return opts
 
 
 @dataclass(slots=True)

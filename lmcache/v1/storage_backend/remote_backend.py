@@ -16,9 +16,9 @@ Tuning knobs live in ``extra_config`` (see :class:`RemoteOptions` and docs/remot
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
-import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +28,7 @@ from lmcache.errors import LogOnce, resolved
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.options import option, parse_options
 from lmcache.v1.stats import Counters
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
 from lmcache.v1.storage_backend.connector import (
@@ -90,85 +91,62 @@ class RemoteStats(Counters):
     put_errors: int = 0
 
 
-def _extra_int(config: LMCacheEngineConfig, name: str, default: int, minimum: int) -> int:
-    value = config.get_extra(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}")
-    try:
-        out = int(value)
-    except (ValueError, OverflowError):  # "x", nan, inf
-        raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}") from None
-    if out < minimum:
-        raise ValueError(f"extra_config.{name}={value!r}: expected an integer >= {minimum}")
-    return out
-
-
-def _extra_float(config: LMCacheEngineConfig, name: str, default: float) -> float:
-    value = config.get_extra(name, default)
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"extra_config.{name}={value!r}: expected a number of seconds > 0") from None
-    if not math.isfinite(out) or out <= 0:  # NaN would pass "<= 0" and make the reconnect loop spin
-        raise ValueError(f"extra_config.{name}={value!r}: expected a finite number of seconds > 0")
-    return out
-
-
-def _extra_str(config: LMCacheEngineConfig, name: str, default: str | None) -> str | None:
-    value = config.get_extra(name, default)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"extra_config.{name}={value!r}: expected a string")
-    return value
-
-
 @dataclass(frozen=True, slots=True)
 class RemoteOptions:
-    """Remote-tier tuning, from ``extra_config`` (names prefixed ``remote_``)."""
+    """Remote-tier tuning, from ``extra_config`` (names prefixed ``remote_``; the field
+    metadata is the docs' source). Bad values raise ConfigError."""
 
-    workers: int = 2
-    """``remote_workers``: writer threads, each with its own connection (values go one by one)."""
-    read_workers: int = 2
-    """``remote_read_workers``: threads serving ``get_non_blocking``."""
+    workers: int = option(2, "remote_workers", "writer threads, each with its own connection", ge=1)
+    read_workers: int = option(2, "remote_read_workers", "threads serving non-blocking reads (layerwise path)", ge=1)
+    max_inflight_mb: int | None = option(
+        None,
+        "remote_max_inflight_mb",
+        "MiB of pool memory held by queued writes; beyond it writes are dropped (counted)",
+        ge=1,
+        default_doc="min(512, pool/4)",
+    )
+    backoff_initial: float = option(0.1, "remote_backoff_initial", "seconds before the first reconnect attempt", gt=0)
+    backoff_max: float = option(10.0, "remote_backoff_max", "cap of the doubling reconnect delay (seconds)", gt=0)
+    key_prefix: str | None = option("lmcache", "remote_key_prefix", "first component of every remote key (tenants)")
+    tls_ca_certs: str | None = option(None, "remote_tls_ca_certs", "CA bundle (PEM) for `rediss://`")
+    tls_certfile: str | None = option(None, "remote_tls_certfile", "client certificate (PEM) for `rediss://`")
+    tls_keyfile: str | None = option(None, "remote_tls_keyfile", "client key (PEM) for `rediss://`")
+    tls_cert_reqs: str | None = option(
+        "required", "remote_tls_cert_reqs", "server certificate check", choices=("required", "optional", "none")
+    )
     max_inflight_bytes: int = DEFAULT_INFLIGHT_CAP
-    """``remote_max_inflight_mb``: pool memory held by queued writes; beyond it writes are dropped."""
-    backoff_initial: float = 0.1
-    """``remote_backoff_initial``: seconds before the first reconnect attempt."""
-    backoff_max: float = 10.0
-    """``remote_backoff_max``: cap of the doubling reconnect delay."""
-    key_prefix: str = "lmcache"
-    """``remote_key_prefix``: first component of every remote key (tenant separation)."""
-    tls: TLSOptions = TLSOptions()
-    """``remote_tls_ca_certs`` / ``_certfile`` / ``_keyfile`` / ``_cert_reqs`` for ``rediss://``."""
+    """The in-flight budget in bytes (``remote_max_inflight_mb``, or its pool-based default)."""
+
+    def __post_init__(self) -> None:
+        if not self.key_prefix:
+            object.__setattr__(self, "key_prefix", "lmcache")
+        if not self.tls_cert_reqs:
+            object.__setattr__(self, "tls_cert_reqs", "required")
+        if any(c.isspace() for c in self.key_prefix or ""):
+            raise ConfigError(f"extra_config.remote_key_prefix={self.key_prefix!r}: expected no whitespace")
+        if self.backoff_max < self.backoff_initial:
+            raise ConfigError(
+                f"extra_config.remote_backoff_max={self.backoff_max!r}: "
+                f"expected >= remote_backoff_initial={self.backoff_initial!r}"
+            )
+
+    @property
+    def tls(self) -> TLSOptions:
+        """The TLS settings for ``rediss://``."""
+        return TLSOptions(
+            ca_certs=self.tls_ca_certs,
+            certfile=self.tls_certfile,
+            keyfile=self.tls_keyfile,
+            cert_reqs=self.tls_cert_reqs or "required",
+        )
 
     @classmethod
     def from_config(cls, config: LMCacheEngineConfig, pool_bytes: int) -> RemoteOptions:
-        default_budget = max(MiB, min(DEFAULT_INFLIGHT_CAP, pool_bytes // 4)) // MiB
-        prefix = _extra_str(config, "remote_key_prefix", "lmcache") or "lmcache"
-        if any(c.isspace() for c in prefix):
-            raise ValueError(f"extra_config.remote_key_prefix={prefix!r}: expected no whitespace")
-        backoff_initial = _extra_float(config, "remote_backoff_initial", 0.1)
-        backoff_max = _extra_float(config, "remote_backoff_max", 10.0)
-        if backoff_max < backoff_initial:
-            raise ValueError(
-                f"extra_config.remote_backoff_max={backoff_max!r}: expected >= remote_backoff_initial={backoff_initial!r}"
-            )
-        cert_reqs = _extra_str(config, "remote_tls_cert_reqs", "required") or "required"
-        if cert_reqs not in ("required", "optional", "none"):
-            raise ValueError(f"extra_config.remote_tls_cert_reqs={cert_reqs!r}: expected required, optional or none")
-        return cls(
-            workers=_extra_int(config, "remote_workers", 2, 1),
-            read_workers=_extra_int(config, "remote_read_workers", 2, 1),
-            max_inflight_bytes=_extra_int(config, "remote_max_inflight_mb", default_budget, 1) * MiB,
-            backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
-            key_prefix=prefix,
-            tls=TLSOptions(
-                ca_certs=_extra_str(config, "remote_tls_ca_certs", None),
-                certfile=_extra_str(config, "remote_tls_certfile", None),
-                keyfile=_extra_str(config, "remote_tls_keyfile", None),
-                cert_reqs=cert_reqs,
-            ),
-        )
+        opts = parse_options(cls, config.extra_config)
+        mb = opts.max_inflight_mb
+        if mb is None:
+            mb = max(MiB, min(DEFAULT_INFLIGHT_CAP, pool_bytes // 4)) // MiB
+        return dataclasses.replace(opts, max_inflight_bytes=mb * MiB)
 
 
 class _NoRoom(Exception):
@@ -222,8 +200,8 @@ class RemoteBackend(StorageBackend):
         self.url = mask_url(config.remote_url)
         self.namespace = namespace
         self.memory = memory
+        self.options = RemoteOptions.from_config(config, memory.capacity)  # ConfigError
         try:
-            self.options = RemoteOptions.from_config(config, memory.capacity)
             self.connector = connector or create_connector(
                 config.remote_url,
                 timeout=config.remote_timeout,
@@ -231,7 +209,7 @@ class RemoteBackend(StorageBackend):
                 password=config.remote_password,
                 tls=self.options.tls,
             )
-        except ValueError as exc:  # a malformed URL or option: a clear error at start
+        except ValueError as exc:  # a malformed URL: a clear error at start
             raise ConfigError(str(exc)) from None
         self.stats = RemoteStats()
         self.breaker = CircuitBreaker(ExponentialBackoff(self.options.backoff_initial, self.options.backoff_max))
