@@ -444,6 +444,16 @@ def test_unreadable_chunk_is_reported_and_recomputed(mini, caplog):
     real = l1.get_blocking
     bad = {keys[2]} if not mini.layerwise else set(keys[2].split_layers(SPEC.num_layers))
     l1.get_blocking = lambda key: None if key in bad else real(key)  # visible to lookups, unreadable
+    real_prefix = l1.get_prefix  # the batched L1 read (one lock hold) sees the same fault
+
+    def prefix(keys):
+        objs = real_prefix(keys)
+        cut = next((i for i, k in enumerate(keys[: len(objs)]) if k in bad), len(objs))
+        for obj in objs[cut:]:
+            obj.ref_count_down()
+        return objs[:cut]
+
+    l1.get_prefix = prefix
     b = FakeRequest("b", list(base))
     stored_before = mini.engine.stats.stored_tokens
     with caplog.at_level(logging.WARNING, logger="lmcache"):
