@@ -300,7 +300,7 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     if engine is None:
         raise RuntimeError("action needs the lmcache engine in this process (multiprocessing=False)")
     sm = engine.storage_manager
-    keys = sorted(sm.local_cpu._objs, key=lambda k: k.chunk_hash)
+    keys = sorted(sm.local_cpu.keys(), key=lambda k: k.chunk_hash)
     every = int(action.get("every", 1))
     chosen = keys[::every]
     if action["type"] == "drop":

@@ -302,6 +302,16 @@ class PoolAllocator:
     def free_bytes(self) -> int:
         return self.capacity - self._used
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the slabs created so far (slabs are created lazily, on allocation)."""
+        return self._reserved
+
+    def slab_ranges(self) -> list[tuple[int, int]]:
+        """``(start address, size)`` of every slab (introspection: where pool memory lives)."""
+        with self._lock:
+            return [(s.buf.data_ptr(), s.size) for s in self._slabs]
+
     def can_ever_fit(self, nbytes: int) -> bool:
         return _round_up(nbytes) <= self.slab_bytes
 

@@ -188,7 +188,7 @@ def test_roles_of_one_process_share_one_engine_until_both_shut_down():
     assert scheduler.has_cache_item("x")  # still open: the scheduler uses it
     scheduler.shutdown()
     scheduler.shutdown()  # idempotent
-    assert engine.storage_manager._closed
+    assert engine.storage_manager.closed
 
 
 # ----------------------------------------------------------------------------- roles and edge cases

@@ -156,9 +156,8 @@ def test_returned_tensor_never_aliases_cache_memory(engine):
     second = engine.get("a")
     assert torch.equal(second, keep)
     assert first.data_ptr() != second.data_ptr()
-    slab_ptrs = [s.buf.data_ptr() for s in engine.storage_manager.allocator._slabs]
-    slab_ends = [p + s.size for p, s in zip(slab_ptrs, engine.storage_manager.allocator._slabs)]
-    assert not any(p <= second.data_ptr() < e for p, e in zip(slab_ptrs, slab_ends))
+    slabs = engine.storage_manager.allocator.slab_ranges()
+    assert slabs and not any(p <= second.data_ptr() < p + size for p, size in slabs)
     engine.close()
     assert torch.equal(second, keep)  # still valid after the cache is gone
 

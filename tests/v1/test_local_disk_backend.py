@@ -240,7 +240,7 @@ def test_restart_rebuilds_the_index_and_removes_dead_writers_temp_files(tiers):
 
 def test_temp_files_of_a_live_owner_survive_a_scan(tiers):
     live = tiers.disk()
-    tmp = os.path.join(live.directory, f"{'1' * 32}.{live._owner.token}.1.tmp")
+    tmp = os.path.join(live.directory, f"{'1' * 32}.{live.owner_token}.1.tmp")
     with open(tmp, "wb") as f:
         f.write(b"in progress")
     other = tiers.disk()

@@ -68,7 +68,7 @@ def test_startup_does_not_scale_with_pool_size():
     t_big = time.perf_counter() - t0
     assert big.used_bytes == 0 and small.used_bytes == 0
     # no memory is reserved until the first allocation
-    assert big._reserved == 0  # noqa: SLF001 - white-box check of laziness
+    assert big.reserved_bytes == 0
     obj = big.allocate((1024,), torch.uint8, MemoryFormat.BINARY)
-    assert obj is not None and big._reserved <= big.slab_bytes  # noqa: SLF001
+    assert obj is not None and big.reserved_bytes <= big.slab_bytes
     del t_small, t_big

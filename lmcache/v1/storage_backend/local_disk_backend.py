@@ -292,6 +292,11 @@ class LocalDiskBackend(StorageBackend):
         return self._o_direct
 
     @property
+    def owner_token(self) -> str:
+        """This process's token in the names of its temp files (see :class:`OwnerLock`)."""
+        return self._owner.token
+
+    @property
     def disabled_reason(self) -> str | None:
         """Why the tier turned itself off at run time, or None while it works."""
         return self._disabled

@@ -87,6 +87,11 @@ class StorageManager:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @property
     def backends(self) -> list[StorageBackend]:
         """All tiers, L1 first."""
         return [self.local_cpu, *self.lower]
