@@ -15,8 +15,8 @@ Storage model
   (LRU policy, atomic eviction: enough victims or none; entries being read are never
   evicted) orders the entries. Pool pressure evicts hidden states only, never KV.
 * Coupled eviction is lazy: ``retrieve_hidden_states`` asks
-  ``storage_manager.contains(key)`` for every chunk it is about to return (with
-  ``use_layerwise``, for each of the chunk's per-layer KV keys). A chunk whose KV is
+  ``storage_manager.batched_contains([key], num_layers=...)`` for every chunk it is about
+  to return (with ``use_layerwise``, all of the chunk's per-layer KV keys must be there). A chunk whose KV is
   gone is an orphan: its hidden states (all layers) are dropped and the returned prefix
   ends before it. A store built without a storage manager (``storage_manager=None``,
   bound later with :meth:`HiddenStateStore.bind_storage_manager`) cannot tell, and
@@ -115,7 +115,7 @@ class HiddenStateStore:
     Built by :class:`~lmcache.v1.cache_engine.LMCacheEngine` when
     ``enable_hidden_state_cache`` is true and exposed as ``engine.hidden_state_store``.
     ``token_database`` must be the engine's (same keys as the KV); ``storage_manager``
-    is the KV storage manager, only asked ``contains(key)``; it may be given later
+    is the KV storage manager, only asked ``batched_contains``; it may be given later
     with :meth:`bind_storage_manager` (until then KV counts as present).
 
     Thread-safe; see the module docstring for blocking behaviour and memory ownership.
@@ -405,9 +405,7 @@ class HiddenStateStore:
         manager = self.storage_manager
         if manager is None:
             return True
-        if self._kv_layers is None:
-            return manager.contains(chunk)
-        return all(manager.contains(k) for k in chunk.split_layers(self._kv_layers))
+        return manager.batched_contains([chunk], num_layers=self._kv_layers) == 1
 
     def _touch(self, key: HSKey) -> bool:
         with self._lock:

@@ -76,3 +76,61 @@ def test_non_blocking_get_miss_everywhere():
     assert sm.get_non_blocking(KEY).result() is None
     assert disk.calls == ["get"] and sm.allocator.used_bytes == 0
     sm.close()
+
+
+# ----------------------------------------------------------------------------- issue 12, item 3
+def test_lower_tier_hits_are_promoted_in_one_l1_visit_tail_to_head():
+    """A batched read of lower-tier hits hands L1 the whole result once: promoted, and
+    ordered so that the sequence's tail is evicted before its head."""
+    disk = FakeTier("disk")
+    sm = manager(disk)
+    keys = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(3)]
+    for i, k in enumerate(keys):
+        disk.data[k] = bytes([i]) * ALIGN
+    visits: list[int] = []
+    admit = sm.local_cpu.admit_sequence
+    sm.local_cpu.admit_sequence = lambda ks, objs: (visits.append(len(ks)), admit(ks, objs))[1]
+    objs = sm.batched_get(keys)
+    assert [int(o.byte_array[0]) for o in objs] == [0, 1, 2]
+    assert visits == [3], "one L1 visit for the whole sequence"
+    assert list(sm.local_cpu.policy.victims()) == list(reversed(keys))  # tail first
+    for o in objs:
+        o.ref_count_down()
+    sm.close()
+
+
+def test_batched_lookup_covers_every_layer_and_reports_its_pins():
+    sm = manager()
+    chunks = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(3)]
+    per_layer = [[c.split_layers(2)[layer] for c in chunks] for layer in range(2)]
+    for layer_list in per_layer:
+        for key in layer_list[:2]:
+            obj = sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY)
+            sm.put(key, obj)
+            obj.ref_count_down()
+    sm.local_cpu.remove(per_layer[1][1])  # chunk 1 lacks layer 1
+    res = sm.batched_lookup(per_layer, pin=True)
+    assert res.hits == 1 and sm.batched_contains(chunks, num_layers=2) == 1
+    assert set(res.pinned) == {per_layer[0][0], per_layer[0][1], per_layer[1][0]}
+    assert all(sm.local_cpu.pin_count(k) == 1 for k in res.pinned)
+    sm.batched_unpin(list(res.pinned))
+    assert all(sm.local_cpu.pin_count(k) == 0 for k in res.pinned)
+    sm.close()
+
+
+def test_no_tier_imports_another_tier():
+    import ast
+    import pathlib
+
+    import lmcache.v1.storage_backend as pkg
+
+    root = pathlib.Path(pkg.__file__).parent
+    tiers = {"local_cpu_backend", "local_disk_backend", "remote_backend"}
+    for name in tiers:
+        tree = ast.parse((root / f"{name}.py").read_text())
+        imported = {
+            n.module.rsplit(".", 1)[-1]
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("lmcache.v1.storage_backend")
+        }
+        assert not (imported & (tiers - {name})), f"{name} imports {imported & tiers}"

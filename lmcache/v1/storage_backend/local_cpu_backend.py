@@ -125,10 +125,10 @@ class LocalCPUBackend(StorageBackend):
             self._index.touch(key)
             return obj
 
-    def get_prefix(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+    def get_prefix(self, keys: Sequence[CacheEngineKey], *, touch: bool = False) -> list[MemoryObj]:
         """Objects of the leading resident ``keys`` (one reference each for the caller),
-        in one lock hold. Recency is not changed: the caller reports the hits with
-        :meth:`admit_sequence` or :meth:`touch_sequence`."""
+        in one lock hold. With ``touch`` the hits are recorded tail to head in the same
+        hold; otherwise the caller reports them later (:meth:`admit_sequence`)."""
         out: list[MemoryObj] = []
         with self._lock:
             for key in keys:
@@ -137,6 +137,8 @@ class LocalCPUBackend(StorageBackend):
                     break
                 obj.ref_count_up()
                 out.append(obj)
+            if touch:
+                self._index.touch_sequence(keys[: len(out)])
         return out
 
     def touch(self, key: CacheEngineKey) -> None:

@@ -198,8 +198,7 @@ class StorageManager:
         """
         for layer, keys in enumerate(keys_per_layer):
             # L1 hits are read inline (no per-key future); the rest go to the tiers' futures.
-            resident = self.local_cpu.get_prefix(keys)
-            self.local_cpu.touch_sequence(keys[: len(resident)])
+            resident = self.local_cpu.get_prefix(keys, touch=True)
             if len(resident) == len(keys):
                 yield resolved(resident)
                 continue
