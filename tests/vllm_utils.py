@@ -315,6 +315,16 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
             return None if key in bad else real_get(key)
 
         l1.get_blocking = failing_get  # type: ignore[method-assign]
+        real_prefix = l1.get_prefix
+
+        def failing_prefix(keys, **kw):  # the batched L1 read (one lock hold) fails the same way
+            objs = real_prefix(keys, **kw)
+            cut = next((i for i, k in enumerate(keys[: len(objs)]) if k in bad), len(objs))
+            for obj in objs[cut:]:
+                obj.ref_count_down()
+            return objs[:cut]
+
+        l1.get_prefix = failing_prefix  # type: ignore[method-assign]
     else:
         raise ValueError(f"action type {action['type']!r}: expected 'drop' or 'fail_get'")
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}

@@ -446,8 +446,8 @@ def test_unreadable_chunk_is_reported_and_recomputed(mini, caplog):
     l1.get_blocking = lambda key: None if key in bad else real(key)  # visible to lookups, unreadable
     real_prefix = l1.get_prefix  # the batched L1 read (one lock hold) sees the same fault
 
-    def prefix(keys):
-        objs = real_prefix(keys)
+    def prefix(keys, **kw):
+        objs = real_prefix(keys, **kw)
         cut = next((i for i, k in enumerate(keys[: len(objs)]) if k in bad), len(objs))
         for obj in objs[cut:]:
             obj.ref_count_down()
