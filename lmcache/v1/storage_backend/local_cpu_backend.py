@@ -72,13 +72,17 @@ class LocalCPUBackend(StorageBackend):
         obj = self.allocator.allocate(shape, dtype, fmt)
         if obj is not None:
             return obj
+        dropped: list[CacheEngineKey] = []
+
+        def drop(key: CacheEngineKey, victim: MemoryObj) -> None:
+            self._release(victim)
+            dropped.append(key)
+
         with self._lock:
-            obj, evicted = allocate_evicting(
-                self._index, self.allocator, shape, dtype, fmt, lambda _key, victim: self._release(victim)
-            )
+            obj, evicted = allocate_evicting(self._index, self.allocator, shape, dtype, fmt, drop)
         if evicted and self._on_evict is not None:
-            self._on_evict(len(evicted))
-        self._notify("removed", evicted)
+            self._on_evict(evicted)
+        self._notify("removed", dropped)
         return obj
 
     # ------------------------------------------------------------------ contract
@@ -108,13 +112,17 @@ class LocalCPUBackend(StorageBackend):
         """One visit for the chunks of a sequence (``keys`` head first): resident keys are
         touched, new objects inserted (the tier takes its own reference), both from the
         tail to the head so the head is the most recent entry. ``None`` objects are
-        skipped. With ``retain=False`` nothing is inserted."""
+        skipped. With ``retain=False`` nothing is inserted. The listener is told about
+        the inserted keys (``"stored"``), tail first."""
+        inserted: list[CacheEngineKey] = []
         with self._lock:
             for key, obj in zip(reversed(keys), reversed(objs)):
                 if self._index.touch(key) or obj is None or not self.retain:
                     continue
                 obj.ref_count_up()
                 self._index.insert(key, obj, obj.get_physical_size())
+                inserted.append(key)
+        self._notify("stored", inserted)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         with self._lock:
@@ -157,6 +165,7 @@ class LocalCPUBackend(StorageBackend):
         if obj is None:
             return False
         self._release(obj)
+        self._notify("removed", [key])
         return True
 
     def unpin(self, key: CacheEngineKey) -> bool:

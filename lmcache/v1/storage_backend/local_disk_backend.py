@@ -585,7 +585,8 @@ class LocalDiskBackend(StorageBackend):
 
     def _drop_bad(self, entry: DiskEntry) -> None:
         with self._lock:
-            if self._index.discard(entry.key, entry):
+            dropped = self._index.discard(entry.key, entry)
+            if dropped:
                 self._unlink(entry.name)
         if dropped:
             self._notify("removed", [entry.key])

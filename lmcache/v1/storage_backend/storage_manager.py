@@ -138,12 +138,19 @@ class StorageManager:
         The L1 prefix is read inline (one lock hold); the rest is read from the lower
         tiers in parallel (their reader threads), not one blocking read after another.
         L1 then sees the whole result once: hits are touched and lower-tier hits
-        promoted, from the tail to the head so the head stays most recent.
+        promoted, from the tail to the head so the head stays most recent. If
+        ``sources`` is given, the tier (``StorageBackend.tier``: "cpu", "disk",
+        "remote") of each returned object is appended to it, in order.
         """
         out: list[MemoryObj | None] = list(self.local_cpu.get_prefix(keys))
-        if len(out) < len(keys):
-            out += _gather_prefix([self._read_lower(k) for k in keys[len(out) :]]).result()
+        n_l1 = len(out)
+        holders: list[list[str]] = [[] for _ in keys[n_l1:]]
+        if n_l1 < len(keys):
+            out += _gather_prefix([self._read_lower(k, h) for k, h in zip(keys[n_l1:], holders)]).result()
         self.local_cpu.admit_sequence(keys[: len(out)], out)
+        if sources is not None:
+            sources.extend(self.local_cpu.tier for _ in range(n_l1))
+            sources.extend(h[0] if h else "unknown" for h, o in zip(holders, out[n_l1:]) if o is not None)
         return out
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
@@ -156,18 +163,23 @@ class StorageManager:
         """:meth:`get_non_blocking`; a hit appends its tier name to ``source``."""
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
+            if source is not None:
+                source.append(self.local_cpu.tier)
             return resolved(obj)
         out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out, promote=True)
+        self._read_from(key, 0, out, promote=True, source=source)
         return out
 
-    def _read_lower(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
-        """Future of the first lower-tier hit of ``key`` (None if none), not promoted."""
+    def _read_lower(self, key: CacheEngineKey, source: list[str] | None = None) -> Future[MemoryObj | None]:
+        """Future of the first lower-tier hit of ``key`` (None if none), not promoted;
+        a hit appends its tier name to ``source``."""
         out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out, promote=False)
+        self._read_from(key, 0, out, promote=False, source=source)
         return out
 
-    def _read_from(self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool) -> None:
+    def _read_from(
+        self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool, source: list[str] | None = None
+    ) -> None:
         """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
         if tier == len(self.lower):
             out.set_result(None)
@@ -176,8 +188,10 @@ class StorageManager:
         def _done_reading(fut: Future) -> None:
             obj = None if fut.cancelled() or fut.exception() is not None else fut.result()
             if obj is None:
-                self._read_from(key, tier + 1, out, promote=promote)
+                self._read_from(key, tier + 1, out, promote=promote, source=source)
                 return
+            if source is not None:
+                source.append(self.lower[tier].tier)
             if promote:
                 self.local_cpu.admit_sequence([key], [obj])
             out.set_result(obj)
@@ -197,12 +211,18 @@ class StorageManager:
         tier name.
         """
         for layer, keys in enumerate(keys_per_layer):
-            # L1 hits are read inline (no per-key future); the rest go to the tiers' futures.
+            # L1 hits are read inline (one lock hold, no per-key future); the rest go to the tiers' futures.
             resident = self.local_cpu.get_prefix(keys, touch=True)
+            holders: list[list[str]] = [[self.local_cpu.tier] for _ in resident]
+            holders += [[] for _ in keys[len(resident) :]]
+            if sources is not None and layer == 0:
+                sources.extend(holders)
             if len(resident) == len(keys):
                 yield resolved(resident)
                 continue
-            futures = [resolved(o) for o in resident] + [self.get_non_blocking(k) for k in keys[len(resident) :]]
+            futures = [resolved(o) for o in resident] + [
+                self._get_non_blocking(k, h) for k, h in zip(keys[len(resident) :], holders[len(resident) :])
+            ]
             yield _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups
