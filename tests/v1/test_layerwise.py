@@ -755,3 +755,24 @@ def test_stream_ordering_follows_the_first_and_last_request_rules(fake_cuda):
         ("wait_event", "current", "ev8"),  # req 2 final: forward's last layer waits for every load
     ]
     engine.close()
+
+
+def test_store_asks_lower_tiers_once_per_layer_not_per_chunk():
+    """Issue 12: the layerwise store looks up its cached prefix through the StorageManager's
+    batched lookup (one batched call per tier and layer), not ``contains`` per chunk and
+    layer (one remote round trip each)."""
+    spec = KVSpec(num_layers=4)
+    engine, tier = tiered_engine(spec)
+    calls: list[int] = []
+    tier.batched_contains = lambda keys, pin=False: (calls.append(len(keys)), StorageBackend.batched_contains(tier, keys))[1]
+    tier.contains = lambda key, pin=False: key in tier.data
+    kv = random_kv_caches(spec, seed=11)
+    slots = random_slot_mapping(spec, 5 * CHUNK, seed=12)
+    tokens = torch.arange(5 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert len(tier.data) == 5 * spec.num_layers
+    calls.clear()
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))  # all cached in the lower tier
+    assert calls == [5] * spec.num_layers, calls
+    assert len(tier.data) == 5 * spec.num_layers
+    engine.close()
