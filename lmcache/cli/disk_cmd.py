@@ -77,7 +77,7 @@ class _Group:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from lmcache.utils import parse_cache_key
+    from lmcache.v1.keys import parse_cache_key
     from lmcache.v1.storage_backend.disk_file import read_header
     from lmcache.v1.storage_backend.entry_format import CorruptEntryError
 

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from lmcache.errors import LMCacheError
 from lmcache.v1.config_compat import RENAMED, is_lmcache_default, lmcache_key
 from lmcache.v1.secrets import mask_url
 
@@ -35,8 +36,10 @@ CACHE_POLICIES = ("LRU", "FIFO", "LFU", "MRU")
 _RESERVED_ENV = {"CONFIG_FILE", "USE_NATIVE", "LOG_LEVEL"}
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names key, value and expectation."""
+class ConfigError(LMCacheError, ValueError):
+    """A configuration value is invalid. The message names key, value and expectation.
+
+    An :class:`~lmcache.errors.LMCacheError` and a ``ValueError``."""
 
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from lmcache.utils import CacheEngineKey
+from lmcache.errors import LogOnce
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import dtype_name
@@ -147,8 +148,7 @@ class ECCacheEngine:
         self.encoder_dtype = _as_dtype(encoder_dtype)
         self.stats = stats if stats is not None else ECStats()
         self.storage_manager = StorageManager(config, namespace=EC_NAMESPACE, stats=self.stats)
-        self._warned_full = False
-        self._warned_error = False
+        self._log_once = LogOnce(logger)
         self._close_lock = threading.Lock()
         self._closed = False
 
@@ -196,15 +196,15 @@ class ECCacheEngine:
         obj = self.storage_manager.allocate(tuple(tensor.shape), self.encoder_dtype, MemoryFormat.EC_TD)
         if obj is None:
             self.stats.add(put_failures=1)
-            if not self._warned_full:
-                self._warned_full = True
-                logger.warning(
-                    "encoder cache: no pool memory for a %s tensor of shape %s (max_local_cpu_size=%s GiB); "
-                    "entries that do not fit are not cached (logged once)",
-                    dtype_name(self.encoder_dtype),
-                    tuple(tensor.shape),
-                    self.config.max_local_cpu_size,
-                )
+            self._log_once(
+                logging.WARNING,
+                "full",
+                "encoder cache: no pool memory for a %s tensor of shape %s (max_local_cpu_size=%s GiB); "
+                "entries that do not fit are not cached (logged once)",
+                dtype_name(self.encoder_dtype),
+                tuple(tensor.shape),
+                self.config.max_local_cpu_size,
+            )
             return False
         try:
             dst = obj.tensor
@@ -253,6 +253,11 @@ class ECCacheEngine:
         """Wait until puts reached the lower tiers; True if all finished in time."""
         return self.storage_manager.flush(timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has been called (its tiers are released once it returns)."""
+        return self._closed
+
     def close(self, flush_timeout: float | None = 30.0) -> None:
         """Finish pending lower-tier writes (up to ``flush_timeout`` s), then release all tiers. Idempotent."""
         with self._close_lock:
@@ -265,6 +270,4 @@ class ECCacheEngine:
 
     def _warn_error(self, op: str, exc: BaseException) -> None:
         self.stats.add(load_errors=1)
-        if not self._warned_error:
-            self._warned_error = True
-            logger.warning("encoder cache: %s failed (%s); treated as a miss (logged once)", op, exc)
+        self._log_once(logging.WARNING, "error", "encoder cache: %s failed (%s); treated as a miss (logged once)", op, exc)

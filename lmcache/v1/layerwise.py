@@ -1,10 +1,10 @@
 """Layerwise store and retrieve: KV moves one layer per ``next()``, pipelined with the forward pass.
 
-Keys: chunk ``j`` of a request has one :class:`~lmcache.utils.LayerCacheEngineKey` per
+Keys: chunk ``j`` of a request has one :class:`~lmcache.v1.keys.LayerCacheEngineKey` per
 layer (``key.split_layers(num_layers)``); each holds a one-layer ``KV_2LTD`` object
 ``[2, 1, tokens, hidden]`` (``KV_MLA_FMT`` ``[1, 1, tokens, hidden]`` for MLA).
 
-Store generator (:func:`store_layer`), exactly ``num_layers + 1`` ``next()`` calls, all
+Store generator (:meth:`LayerwiseTransfer.store_layer`), exactly ``num_layers + 1`` ``next()`` calls, all
 returning None:
 
 * call 0 allocates the objects of every (chunk, layer) upfront (so the store cannot run
@@ -17,7 +17,7 @@ returning None:
 * the last call waits for the remaining copies, publishes them, drops the generator's
   references and updates the stats.
 
-Retrieve generator (:func:`retrieve_layer`), exactly ``num_layers + 2`` ``next()`` calls:
+Retrieve generator (:meth:`LayerwiseTransfer.retrieve_layer`), exactly ``num_layers + 2`` ``next()`` calls:
 
 * call 0 (setup) determines the retrievable prefix over *all* layers (a chunk counts
   only if every layer of it and of all earlier chunks is present), pins the L1 entries
@@ -46,26 +46,24 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
-from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
+from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.request import TransferRequest
+from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkSpan
-
-if TYPE_CHECKING:
-    from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache.v1.transfer import TransferContext, TransferPath, release
 
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------- keys and lookups
+# ---------------------------------------------------------------------- keys
 @functools.lru_cache(maxsize=4096)
 def _split_cached(key: CacheEngineKey, num_layers: int) -> tuple[LayerCacheEngineKey, ...]:
     return tuple(key.split_layers(num_layers))
@@ -80,22 +78,6 @@ def layer_keys(keys: Sequence[CacheEngineKey], num_layers: int) -> list[list[Lay
     """
     per_chunk = [_split_cached(k, num_layers) for k in keys]
     return [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)]
-
-
-def contains_prefix(
-    storage_manager: StorageManager, keys: Sequence[CacheEngineKey], num_layers: int, *, pin: bool = False
-) -> int:
-    """Number of leading chunks of ``keys`` present for every layer (the layerwise lookup).
-
-    ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``; undo
-    with :func:`unpin_all`. Non-blocking apart from lower-tier existence checks.
-    """
-    return storage_manager.batched_lookup(layer_keys(keys, num_layers), pin=pin).hits
-
-
-def unpin_all(storage_manager: StorageManager, keys: Sequence[CacheEngineKey], num_layers: int) -> None:
-    """Undo the pins of :func:`contains_prefix` for ``keys``."""
-    storage_manager.batched_unpin([k for layer_list in layer_keys(keys, num_layers) for k in layer_list])
 
 
 def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> None:
@@ -113,39 +95,17 @@ def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequenc
     storage_manager.batched_touch(order)
 
 
-def _release(objs: Sequence[MemoryObj | None]) -> None:
-    for obj in objs:
-        if obj is not None:
-            obj.ref_count_down()
-
-
 def _release_when_done(fut: Future) -> None:
     """Drop the references a layer future will deliver to nobody."""
 
     def _drop(f: Future) -> None:
         if not f.cancelled() and f.exception() is None:
-            _release(f.result())
+            release(f.result())
 
     fut.add_done_callback(_drop)
 
 
-def layerwise_connector(engine: LMCacheEngine) -> LayerwiseGPUConnector:
-    """The engine's connector if it is a layerwise one matching the metadata; ValueError otherwise."""
-    connector = engine.gpu_connector
-    if not isinstance(connector, LayerwiseGPUConnector):
-        raise ValueError(
-            f"gpu_connector: layerwise store/retrieve need a layerwise connector "
-            f"(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector), got {type(connector).__name__}"
-        )
-    if connector.num_layers != engine.metadata.num_layers:
-        raise ValueError(
-            f"gpu_connector: num_layers={connector.num_layers} does not match "
-            f"the metadata's num_layers={engine.metadata.num_layers}"
-        )
-    return connector
-
-
-# ---------------------------------------------------------------------- store
+# ---------------------------------------------------------------------- generator state
 @dataclass(slots=True)
 class StoreOutcome:
     """What a finished store generator did (filled in by its last call)."""
@@ -168,109 +128,9 @@ class _StoreState:
             if not handle.done():
                 handle.wait()  # a copy in flight still writes into the objects
         for layer_objs in self.objs:
-            _release(layer_objs)
+            release(layer_objs)
 
 
-def store_layer(engine: LMCacheEngine, req: TransferRequest, *, outcome: StoreOutcome | None = None) -> Iterator[None]:
-    """Layerwise store generator: exactly ``num_layers + 1`` ``next()`` calls (module docstring).
-
-    ``req`` is the validated call (``LMCacheEngine.store_layer`` builds it; its
-    ``kv.sync`` is True for the first request of a batch on CUDA, see
-    :mod:`lmcache.v1.gpu_connector.layerwise`). Chunks already cached for every layer,
-    and chunks at or after the first negative slot, are not stored. ``outcome``, if
-    given, receives the number of stored tokens. The connector is checked here;
-    everything else happens in the ``next()`` calls.
-    """
-    connector = layerwise_connector(engine)
-    return _store_steps(engine, connector, req, outcome or StoreOutcome())
-
-
-def _store_steps(
-    engine: LMCacheEngine, connector: LayerwiseGPUConnector, req: TransferRequest, outcome: StoreOutcome
-) -> Iterator[None]:
-    num_layers = engine.metadata.num_layers
-    sm = engine.storage_manager
-    state = _StoreState()
-    try:
-        # ---- call 0: plan, allocate every (chunk, layer) upfront, copy layer 0
-        kv = req.kv
-        assert kv is not None
-        spans: list[ChunkSpan] = engine.token_database.spans_of(req.tokens, req.mask_start, req.extras)
-        engine.stats.add(store_requests=1)
-        spans = [s for s in spans if s.end <= kv.first_unmapped]
-        keys = layer_keys([s.key for s in spans], num_layers)
-        # one batched lookup per layer (one round trip per remote tier): skip the cached prefix
-        cached = sm.batched_lookup(keys).hits
-        todo = [j for j in range(cached, len(spans)) if not all(sm.is_resident(kl[j]) for kl in keys)]
-        todo = _allocate(engine, connector, spans, todo, state)
-        spans = [spans[j] for j in todo]
-        keys = [[layer_list[j] for j in todo] for layer_list in keys]
-        copier = None
-        if spans:
-            copier = connector.batched_from_gpu(state.objs, [s.start for s in spans], [s.end for s in spans], kv)
-        published = 0  # layers [0, published) are in storage
-        for _layer in range(num_layers):
-            if copier is not None:
-                state.pending.append(next(copier))
-                while published < len(state.pending) and state.pending[published].done():
-                    sm.batched_put(keys[published], state.objs[published])
-                    published += 1
-            yield None
-        # ---- last call: publish what is left, release, stats
-        for handle in state.pending[published:]:
-            if not handle.done():
-                handle.wait()
-            sm.batched_put(keys[handle.layer], state.objs[handle.layer])
-        _touch_tail_to_head(sm, keys)
-        state.release()
-        outcome.stored_tokens = sum(s.end - s.start for s in spans)
-        outcome.finished = True
-        engine.stats.add(stored_tokens=outcome.stored_tokens)
-        yield None
-    finally:
-        state.release()
-
-
-def _allocate(
-    engine: LMCacheEngine, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState
-) -> list[int]:
-    """Allocate every layer of the ``todo`` chunks, chunk by chunk; returns the chunks that got all.
-
-    On pool exhaustion the remaining chunks are skipped (counted, logged once); a chunk
-    is never stored with some layers missing.
-    """
-    num_layers = engine.metadata.num_layers
-    per_chunk: list[list[MemoryObj]] = []
-    for n_done, j in enumerate(todo):
-        shape = connector.get_shape(spans[j].end - spans[j].start)
-        chunk_objs: list[MemoryObj] = []
-        for _ in range(num_layers):
-            obj = engine.storage_manager.allocate(shape, engine.metadata.kv_dtype, connector.fmt)
-            if obj is None:
-                break
-            chunk_objs.append(obj)
-        if len(chunk_objs) < num_layers:
-            _release(chunk_objs)
-            engine.stats.add(store_skipped_chunks=len(todo) - n_done)
-            if not engine._warned_full:
-                engine._warned_full = True
-                logger.warning("lmcache CPU pool full (nothing evictable): skipping stores (logged once)")
-            todo = todo[:n_done]
-            break
-        per_chunk.append(chunk_objs)
-    state.objs = [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)] if per_chunk else []
-    return todo
-
-
-def store_all(engine: LMCacheEngine, req: TransferRequest) -> int:
-    """Run a whole layerwise store (``LMCacheEngine.store`` when ``use_layerwise``); stored tokens."""
-    outcome = StoreOutcome()
-    for _ in store_layer(engine, req, outcome=outcome):
-        pass
-    return outcome.stored_tokens
-
-
-# ---------------------------------------------------------------------- retrieve
 @dataclass(slots=True)
 class _RetrieveState:
     pinned: list[CacheEngineKey] = field(default_factory=list)
@@ -283,7 +143,7 @@ class _RetrieveState:
         keep = []
         for handle, objs in self.held:
             if handle is None or handle.done():
-                _release(objs)
+                release(objs)
             else:
                 keep.append((handle, objs))
         self.held = keep
@@ -295,7 +155,7 @@ class _RetrieveState:
         for handle, objs in self.held:
             if handle is not None and not handle.done():
                 handle.wait()  # a copy in flight still reads the objects
-            _release(objs)
+            release(objs)
         self.held = []
         if self.inflight is not None:
             _release_when_done(self.inflight)
@@ -304,108 +164,237 @@ class _RetrieveState:
         self.pinned = []
 
 
-def retrieve_layer(engine: LMCacheEngine, req: TransferRequest) -> Iterator[torch.Tensor | None]:
-    """Layerwise retrieve generator: exactly ``num_layers + 2`` ``next()`` calls (module docstring).
+# ---------------------------------------------------------------------- the path
+class LayerwiseTransfer(TransferPath):
+    """One object and one key per (chunk, layer); copies one layer per ``next()`` (module docstring)."""
 
-    ``req`` is the validated call (``kv.sync`` is True for the last request of a batch
-    on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). The first ``num_layers +
-    1`` calls return None, the last the retrieved-token mask (CPU bool,
-    ``len(tokens)``, True only for tokens with a slot). Chunks where ``mask`` is False
-    are neither read nor written.
-    """
-    connector = layerwise_connector(engine)
-    return _retrieve_steps(engine, connector, req)
+    name = "layerwise"
 
+    def __init__(self, ctx: TransferContext) -> None:
+        super().__init__(ctx)
+        self.num_layers = ctx.metadata.num_layers
 
-def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
-    """Chunks retrievable for every layer; pins (and records) the L1 entries of that prefix."""
-    lookup = sm.batched_lookup(keys_per_layer, pin=True)
-    state.pinned.extend(lookup.pinned)
-    return lookup.hits
+    def connector(self) -> LayerwiseGPUConnector:
+        """The engine's connector if it is a layerwise one matching the metadata; ValueError otherwise."""
+        connector = self.ctx.connector
+        if not isinstance(connector, LayerwiseGPUConnector):
+            raise ValueError(
+                f"gpu_connector: layerwise store/retrieve need a layerwise connector "
+                f"(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector), got {type(connector).__name__}"
+            )
+        if connector.num_layers != self.num_layers:
+            raise ValueError(
+                f"gpu_connector: num_layers={connector.num_layers} does not match "
+                f"the metadata's num_layers={self.num_layers}"
+            )
+        return connector
 
+    def check_layer_calls(self) -> None:
+        self.connector()
 
-def _retrieve_steps(
-    engine: LMCacheEngine, connector: LayerwiseGPUConnector, req: TransferRequest
-) -> Iterator[torch.Tensor | None]:
-    num_layers = engine.metadata.num_layers
-    sm = engine.storage_manager
-    state = _RetrieveState()
-    loader = None
-    try:
-        # ---- call 0: setup
-        ret = torch.zeros(req.num_tokens, dtype=torch.bool)
-        spans: list[ChunkSpan] = engine.token_database.spans_of(req.tokens, req.mask_start, req.extras)
-        engine.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
-        keys = layer_keys([s.key for s in spans], num_layers)
-        hit = _pin_prefix(sm, keys, state) if spans else 0
-        spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
-        reads = None
-        sources: list[list[str]] = []
-        chunk_bytes = [0] * hit
-        if hit:
-            loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
-            next(loader)
-            reads = sm.layerwise_batched_get(keys, sources=sources)
-            state.inflight = next(reads)
-        yield None
-        # ---- calls 1..num_layers: one layer each
-        for layer in range(num_layers):
-            if loader is not None:
-                got: list[MemoryObj | None] = state.inflight.result()
-                state.inflight = next(reads) if layer + 1 < num_layers else None  # overlap the next layer's reads
-                ok = 0
-                while ok < min(hit, len(got)) and got[ok] is not None:
-                    ok += 1
-                ok = engine.fitting_prefix(spans[:ok], got[:ok], connector, keys[layer][:ok])  # type: ignore[arg-type]
-                if ok < hit:
-                    _report_shortfall(engine, layer, hit, ok)
-                    hit = ok
-                _release(got[hit:])
-                objs = [o for o in got[:hit] if o is not None]
-                for i, o in enumerate(objs):
-                    chunk_bytes[i] += o.get_size()
-                handle = None
-                try:
-                    handle = loader.send(objs)
-                finally:
-                    state.held.append((handle, objs))  # released once the copy is done (or failed)
-                state.release_done()
+    # ------------------------------------------------------------------ lookups
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        """Number of leading chunks of ``keys`` present for every layer.
+
+        ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``;
+        undo with :meth:`unpin`. Non-blocking apart from lower-tier existence checks.
+        """
+        return self.ctx.storage_manager.batched_lookup(layer_keys(keys, self.num_layers), pin=pin).hits
+
+    def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
+        self.ctx.storage_manager.batched_unpin([k for layer_list in layer_keys(keys, self.num_layers) for k in layer_list])
+
+    # ------------------------------------------------------------------ whole requests
+    def store(self, req: TransferRequest) -> int:
+        """A whole layerwise store (all generator calls); the number of stored tokens."""
+        outcome = StoreOutcome()
+        for _ in self.store_layer(req, outcome=outcome):
+            pass
+        return outcome.stored_tokens
+
+    def retrieve(self, req: TransferRequest) -> torch.Tensor:
+        """A whole layerwise retrieve (all generator calls); the retrieved-token mask."""
+        result = None
+        for result in self.retrieve_layer(req):
+            pass
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    # ------------------------------------------------------------------ store
+    def store_layer(self, req: TransferRequest, *, outcome: StoreOutcome | None = None) -> Iterator[None]:
+        """Layerwise store generator: exactly ``num_layers + 1`` ``next()`` calls (module docstring).
+
+        ``req`` is the validated call (``LMCacheEngine.store_layer`` builds it; its
+        ``kv.sync`` is True for the first request of a batch on CUDA, see
+        :mod:`lmcache.v1.gpu_connector.layerwise`). Chunks already cached for every
+        layer, and chunks at or after the first negative slot, are not stored.
+        ``outcome``, if given, receives the number of stored tokens. The connector is
+        checked here; everything else happens in the ``next()`` calls.
+        """
+        return self._store_steps(self.connector(), req, outcome or StoreOutcome())
+
+    def _store_steps(self, connector: LayerwiseGPUConnector, req: TransferRequest, outcome: StoreOutcome) -> Iterator[None]:
+        ctx = self.ctx
+        num_layers = self.num_layers
+        sm = ctx.storage_manager
+        state = _StoreState()
+        try:
+            # ---- call 0: plan, allocate every (chunk, layer) upfront, copy layer 0
+            kv = req.kv
+            assert kv is not None
+            spans: list[ChunkSpan] = ctx.spans(req)
+            ctx.stats.add(store_requests=1)
+            spans = [s for s in spans if s.end <= kv.first_unmapped]
+            keys = layer_keys([s.key for s in spans], num_layers)
+            # one batched lookup per layer (one round trip per remote tier): skip the cached prefix
+            cached = sm.batched_lookup(keys).hits
+            todo = [j for j in range(cached, len(spans)) if not all(sm.is_resident(kl[j]) for kl in keys)]
+            todo = self._allocate(connector, spans, todo, state)
+            spans = [spans[j] for j in todo]
+            keys = [[layer_list[j] for j in todo] for layer_list in keys]
+            copier = None
+            if spans:
+                copier = connector.batched_from_gpu(state.objs, [s.start for s in spans], [s.end for s in spans], kv)
+            published = 0  # layers [0, published) are in storage
+            for _layer in range(num_layers):
+                if copier is not None:
+                    state.pending.append(next(copier))
+                    while published < len(state.pending) and state.pending[published].done():
+                        sm.batched_put(keys[published], state.objs[published])
+                        published += 1
+                yield None
+            # ---- last call: publish what is left, release, stats
+            for handle in state.pending[published:]:
+                if not handle.done():
+                    handle.wait()
+                sm.batched_put(keys[handle.layer], state.objs[handle.layer])
+            _touch_tail_to_head(sm, keys)
+            state.release()
+            outcome.stored_tokens = sum(s.end - s.start for s in spans)
+            outcome.finished = True
+            ctx.stats.add(stored_tokens=outcome.stored_tokens)
             yield None
-        # ---- last call: final ordering, release, mask
-        if loader is not None:
-            next(loader)
-        state.release(sm)
-        if hit:
-            req.mark_written(ret, spans[0].start, spans[hit - 1].end)
-        _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
-        if hit:
-            tiers = [h[0] if h else "unknown" for h in sources[:hit]]
-            engine.count_loaded(spans[:hit], tiers, chunk_bytes[:hit], ret)
-        engine.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
-        yield ret
-    finally:
-        state.release(sm)
-        if loader is not None:
-            loader.close()
+        finally:
+            state.release()
 
+    def _allocate(
+        self, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState
+    ) -> list[int]:
+        """Allocate every layer of the ``todo`` chunks, chunk by chunk; returns the chunks that got all.
 
-def _report_shortfall(engine: LMCacheEngine, layer: int, expected: int, got: int) -> None:
-    engine.stats.add(load_errors=1)
-    if not getattr(engine, "_warned_layer_miss", False):
-        engine._warned_layer_miss = True  # type: ignore[attr-defined]
-        logger.warning(
+        On pool exhaustion the remaining chunks are skipped (counted, logged once); a
+        chunk is never stored with some layers missing.
+        """
+        num_layers = self.num_layers
+        dtype = self.ctx.metadata.kv_dtype
+        per_chunk: list[list[MemoryObj]] = []
+        for n_done, j in enumerate(todo):
+            shape = connector.get_shape(spans[j].end - spans[j].start)
+            chunk_objs: list[MemoryObj] = []
+            for _ in range(num_layers):
+                obj = self.ctx.storage_manager.allocate(shape, dtype, connector.fmt)
+                if obj is None:
+                    break
+                chunk_objs.append(obj)
+            if len(chunk_objs) < num_layers:
+                release(chunk_objs)
+                self.ctx.pool_full(len(todo) - n_done)
+                todo = todo[:n_done]
+                break
+            per_chunk.append(chunk_objs)
+        state.objs = [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)] if per_chunk else []
+        return todo
+
+    # ------------------------------------------------------------------ retrieve
+    def retrieve_layer(self, req: TransferRequest) -> Iterator[torch.Tensor | None]:
+        """Layerwise retrieve generator: exactly ``num_layers + 2`` ``next()`` calls (module docstring).
+
+        ``req`` is the validated call (``kv.sync`` is True for the last request of a
+        batch on CUDA; see :mod:`lmcache.v1.gpu_connector.layerwise`). The first
+        ``num_layers + 1`` calls return None, the last the retrieved-token mask (CPU
+        bool, ``len(tokens)``, True only for tokens with a slot). Chunks where ``mask``
+        is False are neither read nor written.
+        """
+        return self._retrieve_steps(self.connector(), req)
+
+    @staticmethod
+    def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
+        """Chunks retrievable for every layer; pins (and records) the L1 entries of that prefix."""
+        lookup = sm.batched_lookup(keys_per_layer, pin=True)
+        state.pinned.extend(lookup.pinned)
+        return lookup.hits
+
+    def _retrieve_steps(self, connector: LayerwiseGPUConnector, req: TransferRequest) -> Iterator[torch.Tensor | None]:
+        ctx = self.ctx
+        num_layers = self.num_layers
+        sm = ctx.storage_manager
+        state = _RetrieveState()
+        loader = None
+        try:
+            # ---- call 0: setup
+            ret = torch.zeros(req.num_tokens, dtype=torch.bool)
+            spans: list[ChunkSpan] = ctx.spans(req)
+            ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
+            keys = layer_keys([s.key for s in spans], num_layers)
+            hit = self._pin_prefix(sm, keys, state) if spans else 0
+            spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
+            reads = None
+            sources: list[list[str]] = []
+            chunk_bytes = [0] * hit
+            if hit:
+                loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
+                next(loader)
+                reads = sm.layerwise_batched_get(keys, sources=sources)
+                state.inflight = next(reads)
+            yield None
+            # ---- calls 1..num_layers: one layer each
+            for layer in range(num_layers):
+                if loader is not None:
+                    got: list[MemoryObj | None] = state.inflight.result()
+                    state.inflight = next(reads) if layer + 1 < num_layers else None  # overlap the next layer's reads
+                    ok = 0
+                    while ok < min(hit, len(got)) and got[ok] is not None:
+                        ok += 1
+                    ok = ctx.fitting_prefix(spans[:ok], got[:ok], connector, keys[layer][:ok])  # type: ignore[arg-type]
+                    if ok < hit:
+                        self._report_shortfall(layer, hit, ok)
+                        hit = ok
+                    release(got[hit:])
+                    objs = [o for o in got[:hit] if o is not None]
+                    for i, o in enumerate(objs):
+                        chunk_bytes[i] += o.get_size()
+                    handle = None
+                    try:
+                        handle = loader.send(objs)
+                    finally:
+                        state.held.append((handle, objs))  # released once the copy is done (or failed)
+                    state.release_done()
+                yield None
+            # ---- last call: final ordering, release, mask
+            if loader is not None:
+                next(loader)
+            state.release(sm)
+            if hit:
+                req.mark_written(ret, spans[0].start, spans[hit - 1].end)
+            _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
+            if hit:
+                tiers = [h[0] if h else "unknown" for h in sources[:hit]]
+                ctx.count_loaded(spans[:hit], tiers, chunk_bytes[:hit], ret)
+            ctx.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
+            yield ret
+        finally:
+            state.release(sm)
+            if loader is not None:
+                loader.close()
+
+    def _report_shortfall(self, layer: int, expected: int, got: int) -> None:
+        self.ctx.stats.add(load_errors=1)
+        self.ctx.log_once(
+            logging.WARNING,
+            "layer-miss",
             "lmcache layerwise retrieve: layer %d has %d of %d chunks (entry lost after lookup); "
             "the request's mask is cut there and the rest must be recomputed (logged once)",
             layer,
             got,
             expected,
         )
-
-
-def retrieve_all(engine: LMCacheEngine, req: TransferRequest) -> torch.Tensor:
-    """Run a whole layerwise retrieve (``LMCacheEngine.retrieve`` when ``use_layerwise``); the mask."""
-    result = None
-    for result in retrieve_layer(engine, req):
-        pass
-    assert isinstance(result, torch.Tensor)
-    return result

@@ -24,11 +24,13 @@ import stat
 import struct
 import tempfile
 
+from lmcache.errors import LMCacheError
+
 _NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
 
-class UnsafePathError(PermissionError):
-    """A runtime directory or socket fails the ownership/symlink/mode rules."""
+class UnsafePathError(LMCacheError, PermissionError):
+    """A runtime directory or socket fails the ownership/symlink/mode rules (also a ``PermissionError``)."""
 
 
 def _describe(st: os.stat_result) -> str:

@@ -84,7 +84,7 @@ class KeyExtras:
     """What a request folds into its chunk keys besides the tokens (immutable, validated).
 
     ``request_configs`` is kept sorted by name; ``config_strings`` is the
-    ``(name, str(value))`` form carried by :class:`~lmcache.utils.CacheEngineKey`.
+    ``(name, str(value))`` form carried by :class:`~lmcache.v1.keys.CacheEngineKey`.
     An empty ``cache_salt`` means no salt.
     """
 

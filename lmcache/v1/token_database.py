@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.request import KeyExtras, mask_start, tokens_to_array
 
 __all__ = ["KEY_FORMAT_VERSION", "ChunkSpan", "ChunkedTokenDatabase", "TokenInput", "tokens_to_array"]

@@ -47,7 +47,7 @@ def ec_env(monkeypatch):
             monkeypatch.delenv(name)
     monkeypatch.setenv("LMCACHE_EC_MAX_LOCAL_CPU_SIZE", str(16 / 1024))  # 16 MiB pool
     yield
-    vllm_ec_adapter._close_all_at_exit()  # no engine outlives a test
+    vllm_ec_adapter.close_all_ec_engines()  # no engine outlives a test
 
 
 def vllm_config(model="test/tiny-vlm", dtype=torch.float32, ec_role="ec_both", processor_cache_gb=4.0, prefix=True):
@@ -100,7 +100,7 @@ def test_factory_loads_the_connector_by_module_path():
     conn = ECConnectorFactory.create_connector(vllm_config(), WORKER)
     try:
         assert isinstance(conn, LMCacheECConnector)
-        assert isinstance(conn._impl, LMCacheECConnectorImpl)
+        assert isinstance(conn.impl, LMCacheECConnectorImpl)
         assert conn.is_producer and conn.is_consumer
     finally:
         conn.shutdown()
@@ -144,7 +144,7 @@ def test_round_trip_through_disk_into_a_fresh_engine(tmp_path, monkeypatch):
     before = ec_connector_stats()
     scheduler, worker = LMCacheECConnector(cfg, SCHED), LMCacheECConnector(cfg, WORKER)
     try:
-        assert scheduler._impl.engine is not first._impl.engine
+        assert scheduler.engine is not first.engine
         assert scheduler.has_cache_item("photo")
         cache = load(worker, plan(scheduler, request_with_items("photo", tokens=6)), {})
         assert cache["photo"].dtype == torch.bfloat16  # the encoder dtype from model_config
@@ -178,10 +178,10 @@ def test_remote_tier_is_seen_live_by_another_engine(redis_server, monkeypatch):
 def test_roles_of_one_process_share_one_engine_until_both_shut_down():
     cfg = vllm_config()
     scheduler, worker = LMCacheECConnector(cfg, SCHED), LMCacheECConnector(cfg, WORKER)
-    engine = worker._impl.engine
-    assert scheduler._impl.engine is engine
+    engine = worker.engine
+    assert scheduler.engine is engine
     other_model = LMCacheECConnector(vllm_config(model="other"), WORKER)
-    assert other_model._impl.engine is not engine
+    assert other_model.engine is not engine
     other_model.shutdown()
     worker.save_caches({"x": torch.ones(2, 2)}, "x")
     worker.shutdown()
@@ -197,8 +197,8 @@ def test_consumer_only_does_not_save_and_producer_only_does_not_load():
     producer_sched = LMCacheECConnector(vllm_config(ec_role="ec_producer"), SCHED)
     try:
         consumer.save_caches({"c": torch.ones(1, 1)}, "c")
-        assert not consumer._impl.engine.contains("c")
-        consumer._impl.engine.put("c", torch.ones(1, 1))  # cached by someone else
+        assert not consumer.engine.contains("c")
+        consumer.engine.put("c", torch.ones(1, 1))  # cached by someone else
         assert producer_sched.has_cache_item("c")
         assert plan(producer_sched, request_with_items("c")).mm_datas == []
     finally:
@@ -235,7 +235,7 @@ def test_hit_reported_to_the_scheduler_is_planned_even_if_evicted_before_alloc()
     cfg = vllm_config()
     scheduler = LMCacheECConnector(cfg, SCHED)
     try:
-        engine = scheduler._impl.engine
+        engine = scheduler.engine
         engine.put("e", torch.ones(4, 4))
         assert scheduler.has_cache_item("e")  # vLLM now skips the encoder for "e"
         engine.storage_manager.remove(engine.key("e"))
@@ -251,7 +251,7 @@ def test_non_tensor_encoder_output_is_skipped_with_one_warning(caplog):
         with caplog.at_level(logging.WARNING, logger=MODULE):
             worker.save_caches({"t": (torch.ones(1),)}, "t")
             worker.save_caches({"u": None}, "u")
-        assert not worker._impl.engine.contains("t")
+        assert not worker.engine.contains("t")
         assert sum("not a tensor" in r.getMessage() for r in caplog.records) == 1
     finally:
         worker.shutdown()
@@ -277,7 +277,7 @@ def test_request_scoped_identifiers_are_never_cached_when_vllm_does_not_hash_con
         counter_id, user_uuid = "renderer0-mm-1-image-0", "customer-uuid-42"
         worker.save_caches({counter_id: torch.ones(2, 2), user_uuid: torch.ones(2, 2)}, counter_id)
         worker.save_caches({counter_id: torch.ones(2, 2), user_uuid: torch.ones(2, 2)}, user_uuid)
-        engine = worker._impl.engine
+        engine = worker.engine
         assert not engine.contains(counter_id) and engine.contains(user_uuid)
         engine.put(counter_id, torch.ones(2, 2))  # e.g. left on disk by an older process
         assert not scheduler.has_cache_item(counter_id)
@@ -288,7 +288,7 @@ def test_request_scoped_identifiers_are_never_cached_when_vllm_does_not_hash_con
         worker.shutdown()
     hashed = LMCacheECConnector(vllm_config(processor_cache_gb=0, prefix=True), SCHED)
     try:
-        hashed._impl.engine.put("renderer0-mm-1-image-0", torch.ones(1, 1))
+        hashed.engine.put("renderer0-mm-1-image-0", torch.ones(1, 1))
         assert hashed.has_cache_item("renderer0-mm-1-image-0")  # content hashes: any name is fine
     finally:
         hashed.shutdown()

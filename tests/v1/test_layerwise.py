@@ -22,8 +22,8 @@ from lmcache.v1.gpu_connector.layerwise import (
     LayerCopy,
     VLLMBufferLayerwiseGPUConnector,
     VLLMPagedMemLayerwiseGPUConnector,
-    create_gpu_connector,
 )
+from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.gpu_connector.paged import VLLMPagedMemGPUConnectorV2
 from lmcache.v1.layerwise import layer_keys
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj

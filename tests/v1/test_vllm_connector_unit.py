@@ -635,7 +635,7 @@ def test_dynamic_connector_forwards(tmp_path):
         worker.wait_for_save()
         assert worker.get_block_ids_with_load_errors() == set()
         assert sched.request_finished(req, [0]) == (False, None)
-        assert worker._impl.engine.stats.stored_tokens == 32
+        assert worker.engine.stats.stored_tokens == 32
         assert not worker.requires_kv_delivery
     finally:
         worker.shutdown()

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 
 MEDIUM = {"cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
 _MASK63 = (1 << 63) - 1

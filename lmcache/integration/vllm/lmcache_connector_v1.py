@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from lmcache.v1.cache_engine import LMCacheEngine
+
 
 class LMCacheConnectorKVEvents(KVConnectorKVEvents):
     """lmcache's KV events of one step, merged over workers (vLLM keeps the events every
@@ -90,6 +92,16 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._impl = LMCacheConnectorV1Impl(vllm_config, role, self)
         self._kv_events: LMCacheConnectorKVEvents | None = None
+
+    @property
+    def impl(self) -> LMCacheConnectorV1Impl:
+        """The connector's logic (independent of vLLM's class hierarchy)."""
+        return self._impl
+
+    @property
+    def engine(self) -> LMCacheEngine | None:
+        """This worker's lmcache engine (None on the scheduler role or when disabled)."""
+        return self._impl.engine
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from lmcache.errors import LMCacheError, LogOnce
 from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
 
@@ -46,7 +47,7 @@ _MAX_HEADER = 1 << 20
 _MAX_PAYLOAD = 1 << 28
 
 
-class ProtocolError(ConnectionError):
+class ProtocolError(LMCacheError, ConnectionError):
     """The peer sent something that is not a frame of this protocol."""
 
 
@@ -119,8 +120,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
         self._lookup = lookup
         self._stats = stats
-        self._warned = False
-        self._warned_peer = False
+        self._log_once = LogOnce(logger)
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._closing = False
@@ -160,22 +160,22 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         return {"error": f"unknown op {op!r}"}
 
     def on_foreign_peer(self, sock: socket.socket) -> None:
-        if not self._warned_peer:
-            self._warned_peer = True
-            logger.warning(
-                "lmcache lookup server: refused a connection from uid %s (only uid %d may ask; logged once)",
-                peer_uid(sock),
-                os.geteuid(),
-            )
+        self._log_once(
+            logging.WARNING,
+            "peer",
+            "lmcache lookup server: refused a connection from uid %s (only uid %d may ask; logged once)",
+            peer_uid(sock),
+            os.geteuid(),
+        )
 
     def on_error(self, exc: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "lmcache lookup server: request failed (%s: %s); answered as a miss (logged once)",
-                type(exc).__name__,
-                exc,
-            )
+        self._log_once(
+            logging.WARNING,
+            "error",
+            "lmcache lookup server: request failed (%s: %s); answered as a miss (logged once)",
+            type(exc).__name__,
+            exc,
+        )
 
 
 class LookupServer:

@@ -19,7 +19,7 @@ import torch
 from lmcache.integration.vllm.utils import default_socket_dir, instance_id
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector.layerwise import create_gpu_connector
+from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.options import option, parse_options
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
-from lmcache.integration.vllm.utils import WarnOnce, request_key_extras, slot_mapping
+from lmcache.integration.vllm.utils import failure_logger, request_key_extras, slot_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RequestPlanner:
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
         self._trackers: dict[str, RequestTracker] = {}
-        self.warn = WarnOnce(logger)
+        self.warn = failure_logger(logger)
         self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
 

@@ -16,17 +16,16 @@ from lmcache.integration.vllm.lookup_service import LookupClient
 from lmcache.integration.vllm.metadata_builder import AdapterSettings
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
 from lmcache.integration.vllm.utils import (
-    WarnOnce,
+    failure_logger,
     engine_for,
     register_scheduler_stats,
     socket_path,
     unregister_scheduler_stats,
 )
 
+from lmcache.v1.request import KEY_EXTRA_NAMES
+
 logger = logging.getLogger(__name__)
-
-_LOOKUP_EXTRAS = ("cache_salt", "extra_keys", "request_configs")
-
 
 class LookupDispatcher:
     """Answers "how many leading tokens are cached?" for the scheduler.
@@ -77,7 +76,7 @@ class SchedulerConnector:
             )
         )
         self.lookups = lookups if lookups is not None else LookupDispatcher(settings)
-        self.warn = WarnOnce(logger)
+        self.warn = failure_logger(logger)
         self.counters = {"lookups": 0, "lookup_failures": 0, "offered_tokens": 0, "accepted_tokens": 0}
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -93,7 +92,7 @@ class SchedulerConnector:
             if tokens is None:
                 return 0
             tracker = self.planner.track(request)
-            extras = {k: v for k, v in (tracker.key_extras if tracker else {}).items() if k in _LOOKUP_EXTRAS}
+            extras = {k: v for k, v in (tracker.key_extras if tracker else {}).items() if k in KEY_EXTRA_NAMES}
             self.counters["lookups"] += 1
             hit = self.lookups.lookup(tokens, extras)
             if hit is None:

@@ -1,6 +1,6 @@
 """Small helpers of the vLLM adapter: names, slot mappings, layer order, stats, logging.
 
-Nothing here holds state except :class:`WarnOnce`. Functions that read vLLM objects
+Nothing here holds state except the loggers of :func:`failure_logger`. Functions that read vLLM objects
 use attribute access only (duck typing), so unit tests can pass small fakes.
 """
 
@@ -11,13 +11,15 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lmcache.errors import LogOnce
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.private_files import default_runtime_dir
+from lmcache.v1.request import KeyExtras
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +59,7 @@ def request_key_extras(request: Any) -> dict[str, Any]:
     Two requests share cached chunks only when these agree (tenant isolation via the
     salt; a LoRA adapter or an image changes the KV of identical placeholder tokens).
     """
-    extras: dict[str, Any] = {}
     salt = getattr(request, "cache_salt", None)
-    if salt:
-        extras["cache_salt"] = str(salt)
     keys: list[str] = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
@@ -70,9 +69,7 @@ def request_key_extras(request: Any) -> dict[str, Any]:
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
         if ident:
             keys.append(f"mm={ident}")
-    if keys:
-        extras["extra_keys"] = keys
-    return extras
+    return KeyExtras.build(cache_salt=str(salt) if salt else None, extra_keys=keys or None).as_kwargs()
 
 
 def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> np.ndarray:
@@ -177,23 +174,16 @@ def collect_stats(
 
 
 # ------------------------------------------------------------------------ logging
-class WarnOnce:
-    """Logs the first failure of each kind at WARNING (one line), later ones at DEBUG.
+def failure_logger(log: logging.Logger) -> Callable[..., None]:
+    """``warn(kind, msg, *args)``: the first failure of each kind at WARNING (one line), later ones at DEBUG.
 
     A cache failure must not flood vLLM's log; the counters in ``CacheStats`` count
-    every occurrence.
+    every occurrence. One per adapter part (scheduler, worker, tracker).
     """
+    once = LogOnce(log)
 
-    def __init__(self, log: logging.Logger) -> None:
-        self._log = log
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
+    def warn(kind: str, msg: str, *args: Any) -> None:
+        if not once(logging.WARNING, kind, msg + " (further %s failures are logged at debug level)", *args, kind):
+            log.debug(msg, *args)
 
-    def __call__(self, kind: str, msg: str, *args: Any) -> None:
-        with self._lock:
-            first = kind not in self._seen
-            self._seen.add(kind)
-        if first:
-            self._log.warning(msg + " (further %s failures are logged at debug level)", *args, kind)
-        else:
-            self._log.debug(msg, *args)
+    return warn

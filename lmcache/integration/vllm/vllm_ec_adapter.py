@@ -30,7 +30,6 @@ import atexit
 import json
 import logging
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,9 +40,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
+from lmcache.errors import LogOnce
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, load_ec_engine_config
 from lmcache.v1.ec_engine import ECCacheEngine, ECStats
 from lmcache.v1.metadata import dtype_name
+from lmcache.v1.registry import Registry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,14 +78,8 @@ _PROCESS_STATS = ECStats()
 """Counters of every EC engine this process created (tests read them via :func:`ec_connector_stats`)."""
 
 
-@dataclass(slots=True)
-class _Shared:
-    engine: ECCacheEngine
-    users: int
-
-
-_engines: dict[str, _Shared] = {}
-_engines_lock = threading.Lock()
+_ENGINES: Registry[str, ECCacheEngine] = Registry()
+"""The process's EC engines by (config, model, dtype), shared by counted connectors."""
 
 
 def _engine_id(config: LMCacheEngineConfig, model_name: str, encoder_dtype: torch.dtype) -> str:
@@ -96,29 +91,17 @@ def acquire_ec_engine(config: LMCacheEngineConfig, model_name: str, encoder_dtyp
 
     Each call must be matched by one :func:`release_ec_engine`.
     """
-    eid = _engine_id(config, model_name, encoder_dtype)
-    with _engines_lock:
-        shared = _engines.get(eid)
-        if shared is None:
-            shared = _Shared(ECCacheEngine(config, model_name, encoder_dtype, stats=_PROCESS_STATS), 0)
-            _engines[eid] = shared
-        shared.users += 1
-        return shared.engine
+    return _ENGINES.get_or_create(
+        _engine_id(config, model_name, encoder_dtype),
+        lambda: ECCacheEngine(config, model_name, encoder_dtype, stats=_PROCESS_STATS),
+        acquire=True,
+    )
 
 
 def release_ec_engine(engine: ECCacheEngine) -> None:
     """Drop one user of ``engine``; the last one closes it (pending disk/remote writes are finished first)."""
-    with _engines_lock:
-        for eid, shared in _engines.items():
-            if shared.engine is engine:
-                shared.users -= 1
-                if shared.users > 0:
-                    return
-                del _engines[eid]
-                break
-        else:
-            return
-    engine.close()
+    if _ENGINES.release(engine):
+        engine.close()
 
 
 def ec_connector_stats() -> dict[str, int]:
@@ -132,17 +115,13 @@ def ec_connector_stats() -> dict[str, int]:
 
 def flush_ec_engines(timeout: float | None = None) -> bool:
     """Wait until every live engine's pending lower-tier writes finished; True if all did."""
-    with _engines_lock:
-        engines = [s.engine for s in _engines.values()]
-    return all([e.flush(timeout) for e in engines])
+    return all([e.flush(timeout) for e in _ENGINES.values()])
 
 
 @atexit.register
-def _close_all_at_exit() -> None:
-    with _engines_lock:
-        engines = [s.engine for s in _engines.values()]
-        _engines.clear()
-    for engine in engines:
+def close_all_ec_engines() -> None:
+    """Close every EC engine of this process, whoever still uses it (run at exit; tests call it too)."""
+    for engine in _ENGINES.clear():
         engine.close()
 
 
@@ -208,7 +187,7 @@ class LMCacheECConnectorImpl:
         # scheduler-side state; created on both roles, used on the scheduler only
         self._mm_hashes_need_loads: dict[str, int] = {}
         self._answered_hit: set[str] = set()
-        self._warned_not_tensor = False
+        self._log_once = LogOnce(logger)
         self._closed = False
         self._skip_request_scoped_ids = _content_hashing_disabled(vllm_config)
         if self._skip_request_scoped_ids:
@@ -288,13 +267,13 @@ class LMCacheECConnectorImpl:
             return
         tensor = encoder_cache.get(mm_hash)
         if not isinstance(tensor, torch.Tensor):
-            if not self._warned_not_tensor:
-                self._warned_not_tensor = True
-                logger.warning(
-                    "encoder cache: encoder output for %s is %s, not a tensor; not cached (logged once)",
-                    mm_hash,
-                    type(tensor).__name__,
-                )
+            self._log_once(
+                logging.WARNING,
+                "not-tensor",
+                "encoder cache: encoder output for %s is %s, not a tensor; not cached (logged once)",
+                mm_hash,
+                type(tensor).__name__,
+            )
             return
         self.engine.put(mm_hash, tensor)
 
@@ -313,6 +292,16 @@ class LMCacheECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         self._impl = LMCacheECConnectorImpl(vllm_config, role, self)
+
+    @property
+    def impl(self) -> LMCacheECConnectorImpl:
+        """The connector's logic (independent of vLLM's class hierarchy)."""
+        return self._impl
+
+    @property
+    def engine(self) -> ECCacheEngine:
+        """The encoder-cache engine this connector uses (shared within the process)."""
+        return self._impl.engine
 
     # worker side
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:

@@ -48,7 +48,7 @@ from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupServer
 from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
-from lmcache.integration.vllm.utils import WarnOnce, instance_id, socket_path
+from lmcache.integration.vllm.utils import failure_logger, instance_id, socket_path
 from lmcache.integration.vllm.worker_side import WorkerConnector
 from lmcache.observability.logs import setup_logging, startup_line
 from lmcache.observability.metrics import StatsDelta
@@ -56,6 +56,7 @@ from lmcache.observability.snapshot import engine_snapshot
 from lmcache.observability.summary import SummaryLogger
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import ConfigError
+from lmcache.v1.request import KEY_EXTRA_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class LMCacheConnectorV1Impl:
         self.rank = 0
         self._server: LookupServer | None = None
         self._closed = False
-        self.warn = WarnOnce(logger)
+        self.warn = failure_logger(logger)
         # attributes vLLM's wrapper resets when an impl has no bind_connector_metadata
         self.current_layer = 0
         self.layerwise_retrievers: list[Any] = []
@@ -176,7 +177,7 @@ class LMCacheConnectorV1Impl:
         def lookup(tokens: Any, extras: dict[str, Any]) -> int:
             if not worker.enabled:
                 return 0
-            allowed = {k: v for k, v in extras.items() if k in ("cache_salt", "extra_keys", "request_configs")}
+            allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
             return engine.lookup(tokens, **allowed)
 
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)

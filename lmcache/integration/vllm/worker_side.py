@@ -7,6 +7,10 @@ pass, in vLLM's order per step: ``bind`` -> ``start_load_kv`` -> per layer
 synchronises its side streams before returning), so when ``start_load_kv`` returns
 the KV is in vLLM's paged cache, and when ``wait_for_save`` returns it is in lmcache.
 
+The mode is fixed when the connector is built (:class:`BulkSteps` or
+:class:`LayerwiseSteps`, matching the engine's transfer path); the per-step methods
+have no mode branches.
+
 Bulk mode (``use_layerwise: false``): one ``LMCacheEngine.retrieve`` per loading
 request in ``start_load_kv`` and one ``LMCacheEngine.store`` per saving request in
 ``wait_for_save``.
@@ -42,7 +46,7 @@ import numpy as np
 import torch
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
-from lmcache.integration.vllm.utils import WarnOnce, blocks_of_tokens, ordered_layers
+from lmcache.integration.vllm.utils import failure_logger, blocks_of_tokens, ordered_layers
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.gpu_connector.layouts import detect_layout
 
@@ -73,12 +77,44 @@ class _Storage:
     gen: Iterator[None]
 
 
+class BulkSteps:
+    """Bulk mode: a whole retrieve per load in ``start_load_kv``; nothing per layer."""
+
+    name = "bulk"
+
+    def start_loads(self, w: WorkerConnector, loads: list[ReqMeta]) -> None:
+        for req in loads:
+            w._load_bulk(req)
+
+    def save_layer(self, w: WorkerConnector) -> None:
+        """Saves happen whole, in ``wait_for_save``."""
+
+
+class LayerwiseSteps:
+    """Layerwise mode: retrieve generators advanced per layer; store generators started at the first layer."""
+
+    name = "layerwise"
+
+    def start_loads(self, w: WorkerConnector, loads: list[ReqMeta]) -> None:
+        for i, req in enumerate(loads):
+            w._start_retrieval(req, last=i == len(loads) - 1)
+
+    def save_layer(self, w: WorkerConnector) -> None:
+        if w._storages is None:
+            w._storages = []
+            streaming = [r for r in w._reqs if r.save is not None and r.load is None and r.req_id not in w._failed]
+            for i, req in enumerate(streaming):
+                w._start_storage(req, first=i == 0)
+        for s in list(w._storages):
+            w._advance_storage(s)
+
+
 class WorkerConnector:
     """Loads and saves KV for the requests of each step (see the module docstring)."""
 
     def __init__(self, engine: LMCacheEngine, *, layerwise: bool) -> None:
         self.engine = engine
-        self.layerwise = layerwise
+        self.steps: BulkSteps | LayerwiseSteps = LayerwiseSteps() if layerwise else BulkSteps()
         self.chunk_size = engine.config.chunk_size
         self.kvcaches: list[torch.Tensor] | None = None
         self.layer_names: list[str] = []
@@ -89,7 +125,7 @@ class WorkerConnector:
         self._load_errors: set[int] = set()
         self._retrievals: list[_Retrieval] = []
         self._storages: list[_Storage] | None = None
-        self.warn = WarnOnce(logger)
+        self.warn = failure_logger(logger)
         self.events: Any = None
         """A :class:`~.kv_events.KVEventRecorder` when vLLM publishes KV events."""
 
@@ -130,16 +166,15 @@ class WorkerConnector:
         self.kvcaches = tensors
         self.layer_names = names
         self._layer_set = set(names)
-        register = getattr(self.engine.gpu_connector, "register_kv_caches", None)
-        if register is not None:
-            register(tensors)
+        if self.engine.gpu_connector is not None:
+            self.engine.gpu_connector.register_kv_caches(tensors)
         logger.info(
             "lmcache: registered %d KV layers, layout %s, shape %s, dtype %s (%s mode)",
             len(tensors),
             layout_name,
             tuple(tensors[0].shape),
             tensors[0].dtype,
-            "layerwise" if self.layerwise else "bulk",
+            self.steps.name,
         )
 
     # ------------------------------------------------------------------ per step
@@ -170,11 +205,7 @@ class WorkerConnector:
                     req.req_id,
                 )
             return
-        for i, req in enumerate(loads):
-            if self.layerwise:
-                self._start_retrieval(req, last=i == len(loads) - 1)
-            else:
-                self._load_bulk(req)
+        self.steps.start_loads(self, loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._retrievals or layer_name not in self._layer_set:
@@ -183,17 +214,9 @@ class WorkerConnector:
             self._advance_retrieval(r)
 
     def save_kv_layer(self, layer_name: str) -> None:
-        if not self.layerwise or layer_name not in self._layer_set or not self._usable():
+        if layer_name not in self._layer_set or not self._usable():
             return
-        if self._storages is None:
-            self._storages = []
-            streaming = [
-                r for r in self._reqs if r.save is not None and r.load is None and r.req_id not in self._failed
-            ]
-            for i, req in enumerate(streaming):
-                self._start_storage(req, first=i == 0)
-        for s in list(self._storages):
-            self._advance_storage(s)
+        self.steps.save_layer(self)
 
     def wait_for_save(self) -> None:
         # a retrieval the forward did not drive to its end (safety net)

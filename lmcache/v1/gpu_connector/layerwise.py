@@ -43,11 +43,9 @@ from typing import Any, Generator, Sequence
 
 import torch
 
-from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
-from lmcache.v1.gpu_connector.options import ConnectorOptions
-from lmcache.v1.gpu_connector.paged import PagedKVBase, VLLMPagedMemGPUConnectorV2
+from lmcache.v1.gpu_connector.paged import PagedKVBase
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import PagedKV
 
@@ -329,29 +327,3 @@ class VLLMBufferLayerwiseGPUConnector(LayerwiseGPUConnector):
             buf[:, :, offs[j] : offs[j + 1]].copy_(obj.tensor, non_blocking=non_blocking)
         kstarts, views = self._staged_views(buf, starts, ends, offs)
         copy_ops.paged_scatter([layer_kv], geom, slots, kstarts, views)
-
-
-def create_gpu_connector(
-    config: LMCacheEngineConfig,
-    hidden_dim_size: int,
-    num_layers: int,
-    *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    use_mla: bool = False,
-    layout: str | None = None,
-) -> PagedKVBase:
-    """The connector that matches ``config``.
-
-    ``use_layerwise: false`` -> :class:`VLLMPagedMemGPUConnectorV2` (bulk);
-    ``use_layerwise: true`` -> :class:`VLLMPagedMemLayerwiseGPUConnector`, or
-    :class:`VLLMBufferLayerwiseGPUConnector` when ``extra_config`` sets ``use_gpu`` or
-    ``enable_blending`` true. The caller owns the returned connector.
-    """
-    args = (hidden_dim_size, num_layers)
-    kw = dict(chunk_size=config.chunk_size, dtype=dtype, device=device, use_mla=use_mla, layout=layout)
-    if not config.use_layerwise:
-        return VLLMPagedMemGPUConnectorV2(*args, **kw)
-    if ConnectorOptions.from_config(config).buffered:  # typed: "false" is False
-        return VLLMBufferLayerwiseGPUConnector(*args, **kw)
-    return VLLMPagedMemLayerwiseGPUConnector(*args, **kw)

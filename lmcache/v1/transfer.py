@@ -1,0 +1,296 @@
+"""Transfer paths: how a validated request's KV moves between the paged cache and storage.
+
+An engine picks one :class:`TransferPath` when it is built (``use_layerwise`` in the
+config) and forwards every store, retrieve, lookup and unpin to it; the engine's
+methods contain no mode branches.
+
+* :class:`BulkTransfer` (this module): all layers of a chunk in one ``MemoryObj``,
+  one key per chunk, one batched copy per call.
+* :class:`~lmcache.v1.layerwise.LayerwiseTransfer`: one object and one key per
+  (chunk, layer), copies pipelined with the forward pass one layer per ``next()``.
+
+A path sees its engine only through a :class:`TransferContext` (token database,
+storage manager, stats, connector, log-once), so neither path imports the engine.
+
+Thread: the caller's (the worker thread for copies; lookups may run on a scheduler
+thread). Ownership: a path owns every object it allocates or gets and releases it
+before returning (generators: when they finish or are closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import torch
+
+from lmcache.errors import LogOnce
+from lmcache.v1.gpu_connector.protocol import KVConnector
+from lmcache.v1.keys import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheEngineMetadata
+from lmcache.v1.request import TransferRequest
+from lmcache.v1.stats import TIERS as _TIERS
+from lmcache.v1.stats import CacheStats, LatencyHistogram
+from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan
+
+logger = logging.getLogger(__name__)
+
+
+class TransferContext:
+    """What a transfer path needs from its engine (shared with the engine, mutable connector).
+
+    ``connector`` may be None until one is attached (``LMCacheEngineBuilder`` attaches
+    a connector to an engine built without one); :meth:`require_connector` raises then.
+    """
+
+    __slots__ = ("metadata", "token_database", "storage_manager", "stats", "log_once", "connector", "latency")
+
+    def __init__(
+        self,
+        metadata: LMCacheEngineMetadata,
+        token_database: ChunkedTokenDatabase,
+        storage_manager: StorageManager,
+        stats: CacheStats,
+        log_once: LogOnce,
+        connector: KVConnector | None,
+    ) -> None:
+        self.metadata = metadata
+        self.token_database = token_database
+        self.storage_manager = storage_manager
+        self.stats = stats
+        self.log_once = log_once
+        self.connector = connector
+        self.latency = {op: LatencyHistogram() for op in ("store", "retrieve", "lookup")}
+        """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
+        not timed: their generators span the model's forward pass)."""
+
+    def require_connector(self) -> KVConnector:
+        if self.connector is None:
+            raise ValueError("gpu_connector: this engine was built without one; store/retrieve need it")
+        return self.connector
+
+    def spans(self, req: TransferRequest) -> list[ChunkSpan]:
+        return self.token_database.spans_of(req.tokens, req.mask_start, req.extras)
+
+    def pool_full(self, skipped_chunks: int) -> None:
+        """The pool had no room even after eviction: the rest of a store is skipped (counted, logged once)."""
+        self.stats.add(store_skipped_chunks=skipped_chunks)
+        self.log_once(logging.WARNING, "full", "lmcache CPU pool full (nothing evictable): skipping stores (logged once)")
+
+    def fitting_prefix(
+        self,
+        spans: Sequence[ChunkSpan],
+        objs: Sequence[MemoryObj],
+        connector: KVConnector,
+        keys: Sequence[CacheEngineKey] | None = None,
+    ) -> int:
+        """How many leading ``objs`` fit their span under ``connector``'s layout.
+
+        The first that does not (a well-formed entry of another shape, dtype or format:
+        e.g. written by a differently configured process) is a miss: its key
+        (``keys[i]``, default the span's) is removed from every tier, counted in
+        ``stats.corrupt_entries`` and logged once. The caller still owns (and releases)
+        every object.
+        """
+        dtype, fmt = self.metadata.kv_dtype, connector.fmt
+        for i, (span, obj) in enumerate(zip(spans, objs)):
+            want = tuple(connector.get_shape(span.end - span.start))
+            if obj.shape != want or obj.dtype != dtype or obj.fmt != fmt:
+                key = keys[i] if keys is not None else span.key
+                self.drop_corrupt(key, f"shape {obj.shape} {obj.dtype} {obj.fmt.name}, expected {want} {dtype} {fmt.name}")
+                return i
+        return len(objs)
+
+    def count_loaded(self, spans: Sequence[ChunkSpan], tiers: Sequence[str], nbytes: Sequence[int], written: torch.Tensor) -> None:
+        """Count the tokens (and bytes) of ``spans`` whose KV was written into the caller's
+        cache, by the tier each chunk came from. ``written`` is the retrieve's mask (CPU
+        bool tensor, True where KV was written: a token without a slot, e.g. the prompt's
+        last one that vLLM recomputes, is not counted). Called only after the copy
+        succeeded: a hit is a loaded chunk, never a promised one."""
+        csum = torch.cumsum(written[: spans[-1].end].to(torch.int64), 0) if spans else None
+        tokens: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        for span, tier, size in zip(spans, tiers, nbytes):
+            assert csum is not None
+            n = int(csum[span.end - 1]) - (int(csum[span.start - 1]) if span.start else 0)
+            tokens[tier] = tokens.get(tier, 0) + n
+            sizes[tier] = sizes.get(tier, 0) + size
+        deltas = {f"hit_tokens_{t}": v for t, v in tokens.items() if t in _TIERS}
+        deltas.update({f"hit_bytes_{t}": v for t, v in sizes.items() if t in _TIERS})
+        if deltas:
+            self.stats.add(**deltas)
+        logger.debug("lmcache load: %s tokens by tier", tokens)
+
+    def drop_corrupt(self, key: CacheEngineKey, why: str) -> None:
+        """Remove an entry that does not fit the request from every tier (a miss, counted)."""
+        self.storage_manager.remove(key)
+        self.stats.add(corrupt_entries=1)
+        self.log_once(
+            logging.WARNING,
+            "corrupt",
+            "lmcache: dropped a cached entry that does not fit this engine (%s); treated as a miss "
+            "(logged once, counted in corrupt_entries)",
+            why,
+        )
+
+
+def release(objs: Sequence[MemoryObj | None]) -> None:
+    """Drop one reference of each object (None entries are skipped)."""
+    for obj in objs:
+        if obj is not None:
+            obj.ref_count_down()
+
+
+class TransferPath(ABC):
+    """One way of moving KV for whole requests (see the module docstring).
+
+    Every method takes keys or a validated :class:`~lmcache.v1.request.TransferRequest`
+    and trusts it. ``store``/``retrieve`` block until the copy is complete;
+    ``store_layer``/``retrieve_layer`` return generators (layerwise paths only).
+    """
+
+    name: ClassVar[str]
+    """``"bulk"`` or ``"layerwise"`` (for logs)."""
+
+    def __init__(self, ctx: TransferContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def store(self, req: TransferRequest) -> int:
+        """Store the request's KV; the number of tokens newly stored."""
+
+    @abstractmethod
+    def retrieve(self, req: TransferRequest) -> torch.Tensor:
+        """Write cached KV of the longest cached prefix; CPU bool mask of the written tokens."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        """Number of leading chunk keys retrievable (``pin``: pin their L1 entries)."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Undo the pins of ``lookup(keys, pin=True)``."""
+
+    @abstractmethod
+    def check_layer_calls(self) -> None:
+        """ValueError unless ``store_layer``/``retrieve_layer`` can run (checked before the request is built)."""
+
+    @abstractmethod
+    def store_layer(self, req: TransferRequest) -> Iterator[None]:
+        """Layerwise store generator (``num_layers + 1`` ``next()`` calls)."""
+
+    @abstractmethod
+    def retrieve_layer(self, req: TransferRequest) -> Iterator[torch.Tensor | None]:
+        """Layerwise retrieve generator (``num_layers + 2`` ``next()`` calls)."""
+
+
+class BulkTransfer(TransferPath):
+    """All layers of a chunk in one object; one batched copy per store/retrieve."""
+
+    name = "bulk"
+
+    def store(self, req: TransferRequest) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self._store(req)
+        finally:
+            self.ctx.latency["store"].observe(time.perf_counter() - t0)
+
+    def _store(self, req: TransferRequest) -> int:
+        ctx = self.ctx
+        kv = req.kv
+        assert kv is not None
+        spans = ctx.spans(req)
+        ctx.stats.add(store_requests=1)
+        if not spans:
+            return 0
+        connector = ctx.require_connector()
+        sm = ctx.storage_manager
+        spans = [s for s in spans if s.end <= kv.first_unmapped]
+        # one batched lookup (one round trip for remote tiers): skip the cached prefix
+        cached = sm.batched_contains([s.key for s in spans])
+        todo = [s for s in spans[cached:] if not sm.is_resident(s.key)]
+        objs: list[MemoryObj] = []
+        for span in todo:
+            obj = sm.allocate(connector.get_shape(span.end - span.start), ctx.metadata.kv_dtype, connector.fmt)
+            if obj is None:
+                ctx.pool_full(len(todo) - len(objs))
+                break
+            objs.append(obj)
+        todo = todo[: len(objs)]
+        if not objs:
+            return 0
+        try:
+            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)  # type: ignore[attr-defined]
+            sm.batched_put([s.key for s in todo], objs)
+        finally:
+            release(objs)
+        stored = sum(s.end - s.start for s in todo)
+        ctx.stats.add(stored_tokens=stored, stored_bytes=sum(o.get_size() for o in objs))
+        logger.debug("lmcache store: %d tokens in %d chunks", stored, len(todo))
+        return stored
+
+    def retrieve(self, req: TransferRequest) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._retrieve(req)
+        finally:
+            self.ctx.latency["retrieve"].observe(time.perf_counter() - t0)
+
+    def _retrieve(self, req: TransferRequest) -> torch.Tensor:
+        ctx = self.ctx
+        ret = torch.zeros(req.num_tokens, dtype=torch.bool)
+        spans = ctx.spans(req)
+        ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
+        if not spans:
+            return ret
+        connector = ctx.require_connector()
+        sources: list[str] = []
+        objs = ctx.storage_manager.batched_get([s.key for s in spans], sources=sources)
+        hits = [o for o in objs if o is not None]
+        fit = ctx.fitting_prefix(spans, hits, connector)
+        release(hits[fit:])
+        hits = hits[:fit]
+        spans = spans[:fit]
+        loaded = 0
+        try:
+            if hits:
+                connector.batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)  # type: ignore[attr-defined]
+                req.mark_written(ret, spans[0].start, spans[-1].end)
+                loaded = spans[-1].end - spans[0].start
+                ctx.count_loaded(spans, sources, [o.get_size() for o in hits], ret)
+        finally:
+            release(hits)
+        # tokens of the chunks loaded from the cache (a token without a slot, e.g. one vLLM
+        # already holds, is loaded but not written: counted here, False in the mask)
+        ctx.stats.add(hit_tokens=loaded)
+        return ret
+
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        return self.ctx.storage_manager.batched_contains(keys, pin=pin)
+
+    def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
+        for key in keys:
+            self.ctx.storage_manager.unpin(key)
+
+    def _not_layerwise(self) -> ValueError:
+        connector = self.ctx.connector
+        return ValueError(
+            "gpu_connector: layerwise store/retrieve need use_layerwise: true and a layerwise connector "
+            "(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector); this engine uses the bulk "
+            f"path with {type(connector).__name__}"
+        )
+
+    def check_layer_calls(self) -> None:
+        raise self._not_layerwise()
+
+    def store_layer(self, req: TransferRequest) -> Iterator[None]:
+        raise self._not_layerwise()
+
+    def retrieve_layer(self, req: TransferRequest) -> Iterator[torch.Tensor | None]:
+        raise self._not_layerwise()
