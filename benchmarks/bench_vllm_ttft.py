@@ -34,10 +34,10 @@ sys.path.insert(0, str(REPO))
 
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import numpy as np
-import torch
+import numpy as np  # noqa: E402 - after the sys.path and OMP_NUM_THREADS set-up above
+import torch  # noqa: E402
 
-from tests.vllm_utils import TinyModelSpec, VLLMRun, build_tiny_llama, run_vllm
+from tests.vllm_utils import TinyModelSpec, VLLMRun, build_tiny_llama, run_vllm  # noqa: E402
 
 torch.set_num_threads(1)
 
