@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from lmcache.errors import LogOnce
+from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
 from lmcache.v1.gpu_connector.protocol import KVConnector
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -194,6 +195,16 @@ class BulkTransfer(TransferPath):
 
     name = "bulk"
 
+    def connector(self) -> GPUConnectorInterface:
+        """The engine's connector if it is a bulk one; ValueError otherwise."""
+        connector = self.ctx.require_connector()
+        if not isinstance(connector, GPUConnectorInterface):
+            raise ValueError(
+                f"gpu_connector: the bulk path (use_layerwise: false) needs a bulk connector "
+                f"(VLLMPagedMemGPUConnectorV2), got {type(connector).__name__}"
+            )
+        return connector
+
     def store(self, req: TransferRequest) -> int:
         t0 = time.perf_counter()
         try:
@@ -209,7 +220,7 @@ class BulkTransfer(TransferPath):
         ctx.stats.add(store_requests=1)
         if not spans:
             return 0
-        connector = ctx.require_connector()
+        connector = self.connector()
         sm = ctx.storage_manager
         spans = [s for s in spans if s.end <= kv.first_unmapped]
         # one batched lookup (one round trip for remote tiers): skip the cached prefix
@@ -226,7 +237,7 @@ class BulkTransfer(TransferPath):
         if not objs:
             return 0
         try:
-            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)  # type: ignore[attr-defined]
+            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)
             sm.batched_put([s.key for s in todo], objs)
         finally:
             release(objs)
@@ -249,7 +260,7 @@ class BulkTransfer(TransferPath):
         ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
         if not spans:
             return ret
-        connector = ctx.require_connector()
+        connector = self.connector()
         sources: list[str] = []
         objs = ctx.storage_manager.batched_get([s.key for s in spans], sources=sources)
         hits = [o for o in objs if o is not None]
@@ -260,7 +271,7 @@ class BulkTransfer(TransferPath):
         loaded = 0
         try:
             if hits:
-                connector.batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)  # type: ignore[attr-defined]
+                connector.batched_to_gpu(hits, [s.start for s in spans], [s.end for s in spans], req.kv)
                 req.mark_written(ret, spans[0].start, spans[-1].end)
                 loaded = spans[-1].end - spans[0].start
                 ctx.count_loaded(spans, sources, [o.get_size() for o in hits], ret)

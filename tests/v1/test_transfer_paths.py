@@ -133,3 +133,21 @@ def test_keys_live_in_v1_keys_and_stay_importable_from_lmcache_utils():
     assert lmcache.utils.CacheEngineKey is keys.CacheEngineKey
     assert lmcache.utils.LayerCacheEngineKey is keys.LayerCacheEngineKey
     assert lmcache.utils.parse_cache_key is keys.parse_cache_key
+
+
+def test_a_bulk_engine_with_a_layerwise_connector_refuses_copies_before_touching_storage():
+    spec = KVSpec(num_layers=2)
+    engine = make_engine(spec, config(use_layerwise=False))
+    try:
+        engine.gpu_connector = create_gpu_connector(
+            config(use_layerwise=True), spec.hidden, 2, dtype=spec.dtype, device="cpu"
+        )
+        kv = random_kv_caches(spec)
+        slots = random_slot_mapping(spec, CHUNK)
+        with pytest.raises(ValueError, match="bulk connector"):
+            engine.store(list(range(CHUNK)), kvcaches=kv, slot_mapping=slots)
+        with pytest.raises(ValueError, match="bulk connector"):
+            engine.retrieve(list(range(CHUNK)), kvcaches=kv, slot_mapping=slots)
+        assert engine.storage_manager.allocator.used_bytes == 0
+    finally:
+        engine.close()
