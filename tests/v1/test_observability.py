@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry
 
 from lmcache.integration.vllm import utils as vutils

@@ -97,10 +97,10 @@ def _gather_torch(kv_layers, geom, slot_mapping, starts, dsts) -> None:
         dst_i = _as_int(dst)
         slots, rows = _chunk_slots(slot_mapping, start, dst.shape[2])
         blk, off = (slots // geom.block_size, slots % geom.block_size)
-        for l, comps in enumerate(views):
+        for layer_idx, comps in enumerate(views):
             for c, (flat, view) in enumerate(comps):
                 got = view.index_select(0, slots) if flat else view[blk, off]
-                target = dst_i[c, l]
+                target = dst_i[c, layer_idx]
                 got = got.reshape(got.shape[0], h * d)
                 if rows is None:
                     # device -> pinned host copies stay asynchronous; the connector
@@ -119,9 +119,9 @@ def _scatter_torch(kv_layers, geom, slot_mapping, starts, srcs) -> None:
         src_i = _as_int(src)
         slots, rows = _chunk_slots(slot_mapping, start, src.shape[2])
         blk, off = (slots // geom.block_size, slots % geom.block_size)
-        for l, comps in enumerate(views):
+        for layer_idx, comps in enumerate(views):
             for c, (flat, view) in enumerate(comps):
-                values = src_i[c, l]
+                values = src_i[c, layer_idx]
                 if rows is not None:
                     values = values[rows.to(values.device)]
                 values = values.to(device, non_blocking=True).reshape(-1, h, d)
