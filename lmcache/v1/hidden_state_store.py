@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import Counters
 from lmcache.errors import LogOnce

@@ -10,7 +10,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from lmcache.errors import resolved
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 

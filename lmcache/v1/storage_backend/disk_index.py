@@ -16,7 +16,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 
-from lmcache.utils import CacheEngineKey, parse_cache_key
+from lmcache.v1.keys import CacheEngineKey, parse_cache_key
 from lmcache.v1.memory_management import MemoryObjMetadata
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 from lmcache.v1.storage_backend.disk_file import (

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 
 from lmcache.errors import LogOnce, resolved
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryObj
 from lmcache.v1.options import option, parse_options

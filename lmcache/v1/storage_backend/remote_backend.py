@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from lmcache.errors import LogOnce, resolved
-from lmcache.utils import CacheEngineKey
+from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.options import option, parse_options

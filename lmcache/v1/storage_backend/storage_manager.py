@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from lmcache.errors import resolved
-from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import CacheStats
