@@ -190,7 +190,7 @@ class ECCacheEngine:
                 "expected a real-valued tensor with at least one dimension ([num_tokens, dim])"
             )
         key = self.key(mm_hash)
-        if self.storage_manager.local_cpu.contains(key):
+        if self.storage_manager.is_resident(key):
             self.stats.add(put_existing=1)
             return True
         obj = self.storage_manager.allocate(tuple(tensor.shape), self.encoder_dtype, MemoryFormat.EC_TD)
