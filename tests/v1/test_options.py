@@ -16,8 +16,8 @@ from lmcache.v1.config import EXTRA_CONFIG_KEYS, ConfigError, LMCacheEngineConfi
 from lmcache.v1.gpu_connector.layerwise import (
     VLLMBufferLayerwiseGPUConnector,
     VLLMPagedMemLayerwiseGPUConnector,
-    create_gpu_connector,
 )
+from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.gpu_connector.options import ConnectorOptions
 from lmcache.v1.options import default_text, option_fields, option_keys, parse_options, parse_value
 from lmcache.v1.storage_backend.local_disk_backend import DiskTierOptions
