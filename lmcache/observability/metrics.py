@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.observability.snapshot import GAUGE_KEYS, PER_REQUEST_KEYS
+from lmcache.observability.snapshot import GAUGE_KEYS, rank0_only
 from lmcache.v1.stats import LATENCY_BUCKETS
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -148,6 +148,19 @@ METRICS: tuple[MetricDef, ...] = (
         cpu="pool_capacity_bytes_cpu",
         disk="pool_capacity_bytes_disk",
     ),
+    _c(
+        "lmcache_encoder_cache_lookups",
+        "Encoder-cache lookups (vLLM's scheduler asked whether an encoder output is cached).",
+        "ec_lookups",
+    ),
+    _c("lmcache_encoder_cache_lookup_hits", "Encoder-cache lookups that answered cached.", "ec_lookup_hits"),
+    _c("lmcache_encoder_cache_hits", "Encoder outputs loaded from the encoder cache.", "ec_hits"),
+    _c(
+        "lmcache_encoder_cache_misses",
+        "Encoder-cache loads that found nothing or failed (the encoder ran instead).",
+        "ec_misses",
+    ),
+    _c("lmcache_encoder_cache_stores", "Encoder outputs stored in the encoder cache.", "ec_puts"),
     _c("lmcache_hidden_state_requests", "Hidden-state retrieve requests.", "hidden_retrieve_requests"),
     _c("lmcache_hidden_state_hit_tokens", "Tokens whose hidden states were returned.", "hidden_hit_tokens"),
     _c("lmcache_hidden_state_stored_tokens", "Tokens whose hidden states were stored.", "hidden_stored_tokens"),
@@ -214,7 +227,7 @@ class StatsDelta:
                     gauges[f"{key}@r{self.rank}"] = value
                     self._last_gauges[key] = value
                 continue
-            if key in PER_REQUEST_KEYS and self.rank != 0:
+            if self.rank != 0 and rank0_only(key):
                 continue
             delta = value - self._last.get(key, 0)
             if delta:

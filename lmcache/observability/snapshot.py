@@ -17,6 +17,10 @@ Keys (all numbers; counters only grow):
 * ``{store,retrieve,lookup}_seconds_{count,sum}``;
 * ``disk_<counter>`` / ``remote_<counter>`` / ``hidden_<counter>``: the tier's own
   counters (:class:`DiskTierStats`, :class:`RemoteStats`, :class:`HiddenStateStats`);
+* ``ec_<counter>``: the encoder cache's counters (:class:`~lmcache.v1.ec_engine.ECStats`:
+  ``ec_lookups``, ``ec_lookup_hits``, ``ec_hits``, ``ec_misses``, ``ec_puts``, ...), added
+  by the vLLM adapter when the EC connector runs in the same process
+  (:func:`ec_snapshot`);
 * gauges: ``pool_used_bytes_{cpu,disk}``, ``pool_capacity_bytes_{cpu,disk}``,
   ``hidden_pool_used_bytes``, ``hidden_pool_capacity_bytes``, ``remote_available``
   (1 = reachable, 0 = breaker open or disabled; absent without a remote tier).
@@ -64,6 +68,10 @@ PER_REQUEST_KEYS = frozenset(
         "hidden_stored_tokens",
     }
 )
+EC_PREFIX = "ec_"
+"""Prefix of the encoder-cache counters. The EC engines' counters are process-wide (one
+set for every engine of the process), so across ranks they are taken from rank 0 only,
+like the per-request counters."""
 """Counters of tokens and requests: every tensor-parallel rank sees the same request
 and counts the same tokens (each for its own KV shard), so across ranks they are
 taken from rank 0 only, never summed. Everything else (bytes, errors, evictions,
@@ -97,17 +105,28 @@ def engine_snapshot(engine: LMCacheEngine) -> dict[str, float]:
     return out
 
 
+def rank0_only(key: str) -> bool:
+    """Whether snapshot counter ``key`` is taken from rank 0 only (never summed over ranks)."""
+    return key in PER_REQUEST_KEYS or key.startswith(EC_PREFIX)
+
+
+def ec_snapshot(counters: Mapping[str, int]) -> dict[str, float]:
+    """Encoder-cache counters (``ECStats.snapshot()``) under their ``ec_`` snapshot keys."""
+    return {EC_PREFIX + name: value for name, value in counters.items()}
+
+
 def merge_rank_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Snapshots of the tensor-parallel ranks of one model (rank 0 first) as one dict.
 
-    Per-request counters (:data:`PER_REQUEST_KEYS`) come from rank 0; everything else
+    Per-request counters (:data:`PER_REQUEST_KEYS`) and the process-wide encoder-cache
+    counters (``ec_*``) come from rank 0; everything else
     is summed. Keys missing in some ranks count as 0.
     """
     snaps = list(snapshots)
     total: dict[str, float] = {}
     for rank, snap in enumerate(snaps):
         for key, value in snap.items():
-            if key in PER_REQUEST_KEYS and rank > 0:
+            if rank > 0 and rank0_only(key):
                 continue
             total[key] = total.get(key, 0) + value
     return total

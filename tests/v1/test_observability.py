@@ -265,6 +265,33 @@ def test_worker_payloads_sum_to_collect_stats_and_hits_match_external_tokens(min
     assert stats["lookup_requests"] == total["c"]["lookup_requests"] == 2
 
 
+def test_encoder_cache_counters_reach_the_worker_payload_and_prometheus(mini):
+    import torch
+
+    from lmcache.integration.vllm.vllm_ec_adapter import acquire_ec_engine, release_ec_engine
+
+    mini.worker.get_kv_connector_stats()  # drain what earlier traffic left
+    engine = acquire_ec_engine(LMCacheEngineConfig.from_dict({"max_local_cpu_size": 0.01}), "ec-metrics", torch.float32)
+    try:
+        assert engine.put("img-1", torch.arange(12, dtype=torch.float32).reshape(3, 4))
+        assert engine.contains("img-1") and not engine.contains("img-2")
+        assert engine.get("img-1") is not None
+        assert engine.get("img-2") is None
+    finally:
+        release_ec_engine(engine)
+    payload = mini.worker.get_kv_connector_stats()
+    c = payload["c"]
+    assert (c["ec_puts"], c["ec_lookups"], c["ec_lookup_hits"], c["ec_hits"], c["ec_misses"]) == (1, 2, 1, 1, 1)
+    registry = CollectorRegistry()
+    sink = PromSink({}, ["model_name", "engine"], {0: ["m", "0"]}, registry=registry)
+    sink.observe(payload)
+    assert _sample(registry, "lmcache_encoder_cache_hits_total") == 1
+    assert _sample(registry, "lmcache_encoder_cache_misses_total") == 1
+    assert _sample(registry, "lmcache_encoder_cache_stores_total") == 1
+    # process-wide counters: never summed over tensor-parallel ranks
+    assert merge_rank_snapshots([{"ec_hits": 3}, {"ec_hits": 3}]) == {"ec_hits": 3}
+
+
 def test_summary_logs_while_there_is_traffic(caplog):
     engine = engine_with()
     got = threading.Event()

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -138,6 +139,23 @@ def sum_stats(snapshots: Iterable[dict[str, int]]) -> dict[str, int]:
     return merge_rank_snapshots(snapshots)  # type: ignore[return-value]
 
 
+def process_snapshot(engine: LMCacheEngine) -> dict[str, float]:
+    """``engine_snapshot(engine)`` plus the encoder-cache counters of this process.
+
+    The EC counters (``ec_*``) are added when the EC connector module is loaded in
+    this process (vLLM runs the EC and KV connectors' worker sides in one process), so
+    both metrics routes and ``collect_stats`` report them; without an EC connector
+    nothing is added.
+    """
+    from lmcache.observability.snapshot import ec_snapshot, engine_snapshot
+
+    snap = engine_snapshot(engine)
+    ec_adapter = sys.modules.get("lmcache.integration.vllm.vllm_ec_adapter")
+    if ec_adapter is not None:
+        snap.update(ec_snapshot(ec_adapter.ec_connector_stats()))
+    return snap
+
+
 def collect_stats(
     engine_id: str, world_size: int = 1, *, socket_dir: str | None = None, timeout: float = 5.0
 ) -> dict[str, int] | None:
@@ -154,14 +172,12 @@ def collect_stats(
     worker answers. When the scheduler side lives in this process too, its
     ``scheduler_*`` counters are added.
     """
-    from lmcache.observability.snapshot import engine_snapshot
-
     with _SCHEDULER_STATS_LOCK:
         sched = _SCHEDULER_STATS.get(engine_id)
     extra = sched() if sched is not None else {}
     engines = [engine_for(engine_id, r) for r in range(world_size)]
     if all(e is not None for e in engines):
-        return {**sum_stats(engine_snapshot(e) for e in engines if e is not None), **extra}
+        return {**sum_stats(process_snapshot(e) for e in engines if e is not None), **extra}
     from lmcache.integration.vllm.lookup_service import LookupClient
 
     paths = [socket_path(socket_dir or default_socket_dir(), engine_id, r) for r in range(world_size)]

@@ -48,11 +48,10 @@ from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupServer
 from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
-from lmcache.integration.vllm.utils import failure_logger, instance_id, socket_path
+from lmcache.integration.vllm.utils import failure_logger, instance_id, process_snapshot, socket_path
 from lmcache.integration.vllm.worker_side import WorkerConnector
 from lmcache.observability.logs import setup_logging, startup_line
 from lmcache.observability.metrics import StatsDelta
-from lmcache.observability.snapshot import engine_snapshot
 from lmcache.observability.summary import SummaryLogger
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import ConfigError
@@ -145,7 +144,7 @@ class LMCacheConnectorV1Impl:
         assert engine is not None
         who = f"worker rank {self.rank} of {self.settings.world_size}, model {self.settings.model_name}"
         logger.info("%s", startup_line(self.settings.config, who=who, model_namespace=engine.metadata.model_name))
-        snapshot = lambda: engine_snapshot(engine)  # noqa: E731
+        snapshot = lambda: process_snapshot(engine)  # noqa: E731
         self._summary = SummaryLogger(snapshot, self.settings.config.log_summary_interval, f"worker rank {self.rank}")
         self.stats_delta = StatsDelta(snapshot, rank=self.rank, latency=engine.latency)
         from lmcache.integration.vllm.kv_events import KVEventRecorder, attach, kv_events_enabled
@@ -182,7 +181,7 @@ class LMCacheConnectorV1Impl:
 
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
-            self._server = LookupServer(path, lookup, lambda: engine_snapshot(engine))
+            self._server = LookupServer(path, lookup, lambda: process_snapshot(engine))
         except OSError as exc:
             logger.warning(
                 "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",
