@@ -163,6 +163,11 @@ METRICS: tuple[MetricDef, ...] = (
     _c("lmcache_encoder_cache_stores", "Encoder outputs stored in the encoder cache.", "ec_puts"),
     _c("lmcache_hidden_state_requests", "Hidden-state retrieve requests.", "hidden_retrieve_requests"),
     _c("lmcache_hidden_state_hit_tokens", "Tokens whose hidden states were returned.", "hidden_hit_tokens"),
+    _c(
+        "lmcache_hidden_state_misses",
+        "Hidden-state retrieves that returned nothing (not even the first chunk was cached).",
+        "hidden_misses",
+    ),
     _c("lmcache_hidden_state_stored_tokens", "Tokens whose hidden states were stored.", "hidden_stored_tokens"),
     MetricDef(
         "lmcache_hidden_state_pool_used_bytes",

@@ -65,6 +65,7 @@ PER_REQUEST_KEYS = frozenset(
         "stored_tokens",
         "hidden_retrieve_requests",
         "hidden_hit_tokens",
+        "hidden_misses",
         "hidden_stored_tokens",
     }
 )

@@ -93,6 +93,8 @@ class HiddenStateStats(Counters):
     """Tokens in chunks that became retrievable entries (full, or partial when visible)."""
     retrieve_requests: int = 0
     hit_tokens: int = 0
+    misses: int = 0
+    """Retrieves that returned None (not even the first chunk was available)."""
     evictions: int = 0
     """Entries evicted by pool pressure (hidden states only)."""
     orphans_dropped: int = 0
@@ -255,6 +257,7 @@ class HiddenStateStore:
         extras = KeyExtras.build(cache_salt, request_configs, extra_keys)
         self.stats.add(retrieve_requests=1)
         if self._closed or (self.allowed_layers is not None and layer_idx not in self.allowed_layers):
+            self.stats.add(misses=1)
             return None
         hits: list[tuple[HSKey, MemoryObj]] = []
         try:
@@ -278,6 +281,7 @@ class HiddenStateStore:
                     break
                 hits.append((key, obj))
             if not hits:
+                self.stats.add(misses=1)
                 return None
             total = sum(obj.shape[0] for _, obj in hits)
             out = _new_float32(total, hits[0][1].shape[1])

@@ -265,6 +265,22 @@ def test_worker_payloads_sum_to_collect_stats_and_hits_match_external_tokens(min
     assert stats["lookup_requests"] == total["c"]["lookup_requests"] == 2
 
 
+def test_hidden_state_hits_and_misses_in_the_snapshot():
+    import torch
+
+    engine = engine_with(enable_hidden_state_cache=True)
+    try:
+        tokens, _ = store_and_slots(engine)
+        hs = engine.hidden_state_store
+        assert hs.store_hidden_states(tokens, torch.ones(TOKENS, 8)) == TOKENS // CHUNK
+        assert hs.retrieve_hidden_states(tokens) is not None
+        assert hs.retrieve_hidden_states([t + 1000 for t in tokens]) is None  # nothing cached
+        snap = engine_snapshot(engine)
+        assert (snap["hidden_retrieve_requests"], snap["hidden_hit_tokens"], snap["hidden_misses"]) == (2, TOKENS, 1)
+    finally:
+        engine.close()
+
+
 def test_encoder_cache_counters_reach_the_worker_payload_and_prometheus(mini):
     import torch
 
