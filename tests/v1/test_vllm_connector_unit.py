@@ -490,9 +490,31 @@ def test_lookup_failure_is_a_miss(mini, monkeypatch):
     def boom(*a, **k):
         raise OSError("gone")
 
-    monkeypatch.setattr(mini.scheduler.scheduler.lookups, "lookup", boom)
+    monkeypatch.setattr(mini.scheduler.scheduler.lookups, "lookup_keyed", boom)
     assert mini.scheduler.get_num_new_matched_tokens(FakeRequest("b", prompt(40, 11)), 0) == 0
     assert mini.scheduler.scheduler.counters["lookup_failures"] == 1
+
+
+def test_repeated_lookup_of_a_waiting_request_reuses_its_keys(mini):
+    base = prompt(72, 21)
+    sched = mini.scheduler.scheduler
+    waiting = FakeRequest("w", list(base))
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 0
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 0
+    assert sched.counters["repeated_lookups"] == 1
+    mini.serve(FakeRequest("a", list(base)))  # the prefix gets stored while "w" waits
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 64  # re-probed, not a stale answer
+    assert sched.counters["repeated_lookups"] == 2
+    waiting.output.extend(base[:8])  # tokens changed (preempted after decoding): memo dropped
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.counters["repeated_lookups"] == 2
+    waiting.output[-1] += 1  # same length, different tokens: dropped again
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.counters["repeated_lookups"] == 2
+    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.counters["repeated_lookups"] == 3
+    sched.request_finished(waiting, [])
+    assert "w" not in sched._memos
 
 
 def test_scheduler_sets_recompute_policy(mini):

@@ -4,11 +4,20 @@ Runs on vLLM's scheduler thread. Lookups block for at most the lookup timeout pe
 tensor-parallel rank (see :mod:`.lookup_service`); everything else is bookkeeping.
 Any exception is logged once per kind and answered as "nothing cached", so a broken
 cache makes vLLM compute, never fail.
+
+Repeated lookups: vLLM asks again for a request that stays waiting (no free blocks) on
+every scheduler step. When the workers' engines live in this process, the chunk keys of a
+request's tokens are kept per request id (:class:`LookupMemo`) and only re-probed against
+the cache, so a repeated lookup costs a key probe instead of hashing the prompt again. The
+memo is dropped when the request's tokens change (a different prompt list, a different
+length, or different tokens after the prompt), when it finishes, and beyond
+``MAX_MEMOS`` requests (oldest first).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
@@ -27,6 +36,38 @@ from lmcache.v1.request import KEY_EXTRA_NAMES
 
 logger = logging.getLogger(__name__)
 
+MAX_MEMOS = 4096
+
+
+@dataclass(slots=True)
+class LookupMemo:
+    """Chunk keys of one request's tokens, per in-process engine (scheduler thread only)."""
+
+    prompt: object
+    """The request's prompt token list (identity compared: vLLM never replaces it)."""
+    num_tokens: int
+    tail: list[int]
+    """Tokens after the prompt (outputs of a preempted request) when the keys were made."""
+    keys: list[Any]
+    """One :class:`~lmcache.v1.token_database.PrefixKeys` per worker engine."""
+
+    @staticmethod
+    def view(request: Any) -> tuple[object, int, list[int]]:
+        prompt = request.prompt_token_ids
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        tail = list(request.all_token_ids[len(prompt) : n]) if n > len(prompt) else []
+        return prompt, n, tail
+
+    def matches(self, request: Any) -> bool:
+        prompt = request.prompt_token_ids
+        if prompt is not self.prompt:
+            return False
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        if n != self.num_tokens:
+            return False
+        return not self.tail or list(request.all_token_ids[len(prompt) : n]) == self.tail
+
+
 class LookupDispatcher:
     """Answers "how many leading tokens are cached?" for the scheduler.
 
@@ -43,14 +84,30 @@ class LookupDispatcher:
         self._client: LookupClient | None = None
         self.used_socket = False
 
-    def lookup(self, tokens: list[int], extras: dict[str, Any]) -> int | None:
+    def _engines(self) -> list[Any] | None:
         engines = [engine_for(self.engine_id, r) for r in range(self.world_size)]
-        if all(e is not None for e in engines):
-            return min(e.lookup(tokens, **extras) for e in engines if e is not None)
+        return engines if all(e is not None for e in engines) else None
+
+    def lookup(self, tokens: list[int], extras: dict[str, Any]) -> int | None:
+        return self.lookup_keyed(tokens, extras)[0]
+
+    def lookup_keyed(self, tokens: list[int], extras: dict[str, Any]) -> tuple[int | None, list[Any] | None]:
+        """(hit, per-engine keys for :meth:`lookup_again`, or None over sockets)."""
+        engines = self._engines()
+        if engines is not None:
+            keys = [e.prefix_keys(tokens, **extras) for e in engines]
+            return min(e.lookup_prefix(pk) for e, pk in zip(engines, keys)), keys
         if self._client is None:
             self._client = LookupClient(self.paths, timeout=self.timeout)
         self.used_socket = True
-        return self._client.lookup(tokens, extras)
+        return self._client.lookup(tokens, extras), None
+
+    def lookup_again(self, keys: list[Any]) -> int | None:
+        """Probe keys from :meth:`lookup_keyed` again; None when the engines changed."""
+        engines = self._engines()
+        if engines is None or len(engines) != len(keys):
+            return None
+        return min(e.lookup_prefix(pk) for e, pk in zip(engines, keys))
 
     @property
     def last_error(self) -> str | None:
@@ -76,8 +133,15 @@ class SchedulerConnector:
             )
         )
         self.lookups = lookups if lookups is not None else LookupDispatcher(settings)
+        self._memos: dict[str, LookupMemo] = {}
         self.warn = failure_logger(logger)
-        self.counters = {"lookups": 0, "lookup_failures": 0, "offered_tokens": 0, "accepted_tokens": 0}
+        self.counters = {
+            "lookups": 0,
+            "repeated_lookups": 0,
+            "lookup_failures": 0,
+            "offered_tokens": 0,
+            "accepted_tokens": 0,
+        }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
 
@@ -88,13 +152,17 @@ class SchedulerConnector:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         try:
-            tokens = self.planner.lookup_tokens(request)
-            if tokens is None:
-                return 0
-            tracker = self.planner.track(request)
-            extras = {k: v for k, v in (tracker.key_extras if tracker else {}).items() if k in KEY_EXTRA_NAMES}
-            self.counters["lookups"] += 1
-            hit = self.lookups.lookup(tokens, extras)
+            hit = self._lookup_again(request)
+            if hit is None:
+                tokens = self.planner.lookup_tokens(request)
+                if tokens is None:
+                    return 0
+                tracker = self.planner.track(request)
+                extras = {k: v for k, v in (tracker.key_extras if tracker else {}).items() if k in KEY_EXTRA_NAMES}
+                self.counters["lookups"] += 1
+                hit, keys = self.lookups.lookup_keyed(tokens, extras)
+                if keys is not None:
+                    self._remember(request, keys)
             if hit is None:
                 self.counters["lookup_failures"] += 1
                 self.warn("lookup", "lmcache: lookup unavailable (%s); treating as a miss", self.lookups.last_error)
@@ -102,7 +170,7 @@ class SchedulerConnector:
             offered = self.planner.offer(request, num_computed_tokens, hit)
             logger.debug(
                 "lmcache: lookup %s: %d of %d tokens cached, %d offered to vLLM",
-                request.request_id, hit, len(tokens), offered,
+                request.request_id, hit, int(getattr(request, "num_tokens", 0)), offered,
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a cache failure is a miss
             self.counters["lookup_failures"] += 1
@@ -110,6 +178,29 @@ class SchedulerConnector:
             return 0
         self.counters["offered_tokens"] += offered
         return offered
+
+    def _lookup_again(self, request: Any) -> int | None:
+        """Hit of a repeated lookup from the request's memo; None without a valid memo."""
+        memo = self._memos.get(request.request_id)
+        if memo is None:
+            return None
+        if not memo.matches(request):
+            del self._memos[request.request_id]
+            return None
+        hit = self.lookups.lookup_again(memo.keys)
+        if hit is None:
+            del self._memos[request.request_id]
+            return None
+        self.counters["lookups"] += 1
+        self.counters["repeated_lookups"] += 1
+        return hit
+
+    def _remember(self, request: Any, keys: list[Any]) -> None:
+        prompt, n, tail = LookupMemo.view(request)
+        self._memos.pop(request.request_id, None)
+        while len(self._memos) >= MAX_MEMOS:
+            del self._memos[next(iter(self._memos))]
+        self._memos[request.request_id] = LookupMemo(prompt, n, tail, keys)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         try:
@@ -133,6 +224,7 @@ class SchedulerConnector:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous (done in ``wait_for_save``): blocks can be freed at once."""
         self.planner.finish(request.request_id)
+        self._memos.pop(request.request_id, None)
         return False, None
 
     def close(self) -> None:

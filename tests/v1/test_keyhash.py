@@ -1,0 +1,137 @@
+"""Native chunk hashing (lmcache._keyhash) gives exactly the keys of the hashlib path."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheEngineMetadata
+from lmcache.v1.request import KeyExtras
+from lmcache.v1.token_database import ChunkedTokenDatabase, native_hashing
+
+native = pytest.mark.skipif(not native_hashing(), reason="lmcache._keyhash not built")
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+text = st.text(max_size=8)
+extras_st = st.fixed_dictionaries(
+    {},
+    optional={
+        "cache_salt": text,
+        "request_configs": st.dictionaries(st.text(min_size=1, max_size=5), text, max_size=2),
+        "extra_keys": st.lists(text, max_size=3),
+    },
+)
+
+
+def make_db(chunk_size: int, save_unfull: bool = False) -> ChunkedTokenDatabase:
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": chunk_size, "save_unfull_chunk": save_unfull})
+    md = LMCacheEngineMetadata("org/model", 2, 1, "vllm", torch.bfloat16, (2, 2, chunk_size, 2, 8))
+    return ChunkedTokenDatabase(cfg, md)
+
+
+def fields(key: CacheEngineKey) -> tuple:
+    return (key.model_name, key.world_size, key.worker_id, key.chunk_hash, key.dtype, key.request_configs)
+
+
+def reference_hashes(db: ChunkedTokenDatabase, tokens: list[int], extras: KeyExtras, partial: bool) -> list[int]:
+    """Independent statement of the key format: chained BLAKE2b-128 over int32 LE chunks."""
+    prev = db._seed(extras)
+    raw = np.asarray(tokens, dtype="<i4").tobytes()
+    out = []
+    c = db.chunk_size
+    stop = len(tokens) if partial else len(tokens) - len(tokens) % c
+    for start in range(0, stop, c):
+        prev = hashlib.blake2b(prev + raw[4 * start : 4 * min(start + c, len(tokens))], digest_size=16).digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out
+
+
+def all_paths(db, tokens, extras, partial, monkeypatch):
+    """Keys from every input form, with the native module on and off."""
+    forms = [tokens, tuple(tokens), np.asarray(tokens, dtype=np.int32), np.asarray(tokens, dtype=np.int64),
+             torch.tensor(tokens, dtype=torch.int64)]
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+        for form in forms:
+            pk = db.prefix_keys(form, extras, include_partial=partial)
+            results.append((pk.num_tokens, [fields(k) for k in pk.keys]))
+            spans = db.spans(form, include_partial=partial, **extras_kwargs(extras))
+            results.append((pk.num_tokens, [fields(s.key) for s in spans]))
+    return results
+
+
+def extras_kwargs(extras: KeyExtras) -> dict:
+    return {"cache_salt": extras.cache_salt, "request_configs": dict(extras.request_configs) or None,
+            "extra_keys": list(extras.extra_keys) or None}
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(INT32, max_size=70), st.sampled_from([1, 3, 16]), st.booleans(), extras_st)
+def test_native_equals_fallback_and_reference(tokens, chunk, partial, extras):
+    db = make_db(chunk)
+    ex = KeyExtras.from_kwargs(extras)
+    with pytest.MonkeyPatch.context() as mp:
+        results = all_paths(db, tokens, ex, partial, mp)
+    assert all(r == results[0] for r in results)
+    n, keys = results[0]
+    assert n == len(tokens)
+    assert [k[3] for k in keys] == reference_hashes(db, tokens, ex, partial)
+    expected = CacheEngineKey("org/model", 2, 1, 0, torch.bfloat16, ex.config_strings)
+    assert all(k[:3] == fields(expected)[:3] and k[4:] == fields(expected)[4:] for k in keys)
+
+
+@native
+def test_native_keys_behave_like_constructed_keys():
+    db = make_db(4)
+    tokens = list(range(40))
+    pk = db.prefix_keys(tokens, KeyExtras.from_kwargs({"cache_salt": "t"}))
+    for i, key in enumerate(pk.keys):
+        built = CacheEngineKey(key.model_name, key.world_size, key.worker_id, key.chunk_hash, key.dtype,
+                               key.request_configs)
+        assert key == built and hash(key) == hash(built) and key.to_string() == built.to_string()
+        assert CacheEngineKey.from_string(key.to_string()) == key
+        assert pk.end(i + 1) == min(4 * (i + 1), 40)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [1, 2, True, 4],  # a bool after the first item: numpy's rules decide
+        [1, np.int64(2), 3, 4],  # numpy scalars inside a list
+        [1, 2, 3, 2**40],  # out of int32 range
+        [1, 2, 3, -(2**31) - 1],
+        [1, 2, 3, 4, 5, 2**33],  # out of range in the trailing (unhashed) part
+        [True, 1, 2, 3],
+        [1.5, 2, 3, 4],
+        [[1], [2]],
+    ],
+)
+def test_declined_inputs_take_the_validating_path(monkeypatch, tokens):
+    db = make_db(4)
+    outcomes = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+        try:
+            pk = db.prefix_keys(tokens, KeyExtras.from_kwargs({}))
+            outcomes.append(("ok", pk.num_tokens, [fields(k) for k in pk.keys]))
+        except (TypeError, ValueError) as exc:
+            outcomes.append((type(exc), str(exc)))
+    assert outcomes[0] == outcomes[1]
+
+
+@native
+def test_large_ints_and_boundaries_match():
+    db = make_db(3, save_unfull=True)
+    tokens = [0, -1, 2**31 - 1, -(2**31), 2**30, -(2**30), 2**30 - 1, 1 - 2**30]
+    ex = KeyExtras.from_kwargs({})
+    native_keys = [k.chunk_hash for k in db.prefix_keys(tokens, ex).keys]
+    assert native_keys == reference_hashes(db, tokens, ex, True)
