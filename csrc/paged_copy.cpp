@@ -53,7 +53,10 @@ constexpr int64_t kMinBytesPerThread = 4ll * 1024 * 1024;
 constexpr int64_t kPrefetchAhead = 32 * 1024;         // bytes of source prefetched ahead
 constexpr int64_t kCopyStep = 2048;                   // dense copies let the prefetcher in this often
 constexpr int64_t kInlineRowBytes = 1024;             // rows up to this size are copied inline
-constexpr int64_t kDirectTransposeRows = 16;          // scatter transposes up to this many rows directly
+#ifndef LMC_DIRECT_TRANSPOSE_ROWS
+#define LMC_DIRECT_TRANSPOSE_ROWS 16
+#endif
+constexpr int64_t kDirectTransposeRows = LMC_DIRECT_TRANSPOSE_ROWS;  // scatter transposes up to this many rows directly
 
 // ----------------------------------------------------------------------------- bounds
 struct Span {
