@@ -105,6 +105,19 @@ def paged_inputs(num_tokens: int):
     return kv, slots, mems, starts, ends, nbytes
 
 
+def check_gathered(kv, slots, mems) -> None:
+    """Both sides must have copied the same bytes: token 0 and the last token of chunk 0."""
+    import torch
+
+    for t in (0, CHUNK - 1):
+        s = int(slots[t])
+        for layer in (0, LAYERS - 1):
+            for comp in (0, 1):
+                want = kv[layer][comp, s // BLOCK, s % BLOCK].reshape(-1)
+                if not torch.equal(mems[0][comp, layer, t], want):
+                    raise RuntimeError(f"store copied wrong data (token {t}, layer {layer}, component {comp})")
+
+
 def memcpy_us(nbytes: int, reps: int) -> float:
     import numpy as np
 
@@ -136,13 +149,14 @@ def run_ours(args: argparse.Namespace) -> dict[str, Any]:
         objs = [SimpleNamespace(tensor=m) for m in mems]
         out[f"store_{n}"] = best_us(lambda: conn.batched_from_gpu(objs, starts, ends, kvcaches=kv, slot_mapping=slots),
                                     args.reps)
+        check_gathered(kv, slots, mems)
         out[f"retrieve_{n}"] = best_us(lambda: conn.batched_to_gpu(objs, starts, ends, kvcaches=kv, slot_mapping=slots),
                                        args.reps)
         out[f"memcpy_{n}"] = memcpy_us(nbytes, args.reps)
     for n in args.lookup_tokens:
         spec = KVSpec(num_layers=2, num_heads=2, head_size=8, block_size=16, num_blocks=n // 16)
         engine = make_engine(spec, LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.1}))
-        tokens = lookup_tokens(n)
+        tokens = lookup_tokens(max(args.lookup_tokens))[:n]
         engine.store(tokens, kvcaches=random_kv_caches(spec), slot_mapping=torch.arange(n))
         assert engine.lookup(tokens) == n
         out[f"lookup_{n}"] = median_us(lambda: engine.lookup(tokens), 30)
@@ -187,47 +201,59 @@ def run_lmcache(args: argparse.Namespace) -> dict[str, Any]:
 
     for n in args.paged_tokens:
         kv, slots, mems, starts, ends, nbytes = paged_inputs(n)
-        conn = CpuV2(HEADS * HEAD, LAYERS, use_gpu=False)
+        conn = CpuV2(HEADS * HEAD, LAYERS, use_gpu=False, layout_hints={"kv_layout": "NHD"})
         objs = [SimpleNamespace(tensor=m, metadata=SimpleNamespace(fmt=MemoryFormat.KV_2LTD)) for m in mems]
         try:
             out[f"store_{n}"] = best_us(
                 lambda: conn.batched_from_gpu(objs, starts, ends, kvcaches=kv, slot_mapping=slots), args.reps
             )
+            check_gathered(kv, slots, mems)
             out[f"retrieve_{n}"] = best_us(
                 lambda: conn.batched_to_gpu(objs, starts, ends, kvcaches=kv, slot_mapping=slots), args.reps
             )
         except Exception as exc:  # noqa: BLE001 - report what LMCache could not do
             out[f"store_{n}"] = out[f"retrieve_{n}"] = f"failed: {type(exc).__name__}: {exc}"[:300]
         out[f"memcpy_{n}"] = memcpy_us(nbytes, args.reps)
-    for n in args.lookup_tokens:
+    if args.lookup_tokens:
         try:
-            out[f"lookup_{n}"] = _lmcache_lookup_us(n)
+            conn = CpuV2(16, 2, use_gpu=False, layout_hints={"kv_layout": "NHD"})
+            for n, us in _lmcache_lookups_us(args.lookup_tokens, conn).items():
+                out[f"lookup_{n}"] = us
         except Exception as exc:  # noqa: BLE001
-            out[f"lookup_{n}"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            for n in args.lookup_tokens:
+                out[f"lookup_{n}"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     return out
 
 
-def _lmcache_lookup_us(n: int) -> float:
-    """LMCache engine.lookup of an n-token list whose chunks are all stored (CPU backend)."""
+def _lmcache_lookups_us(sizes: list[int], connector: Any) -> dict[int, float]:
+    """LMCache engine.lookup of n-token lists (prefixes of one prompt) whose chunks are all in
+    its CPU tier. One engine: a second one in the same process hangs in LMCache 0.5.6 here."""
     import torch
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
 
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=1.0)
-    md = LMCacheMetadata(model_name="cmp", world_size=1, worker_id=0, fmt="vllm", kv_dtype=torch.bfloat16,
-                         kv_shape=(2, 2, CHUNK, 2, 8))
-    engine = LMCacheEngineBuilder.get_or_create(f"cmp{n}", cfg, md, None)
-    tokens = lookup_tokens(n)
-    keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
+    md = LMCacheMetadata(model_name="cmp", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                         kv_dtype=torch.bfloat16, kv_shape=(2, 2, CHUNK, 2, 8), chunk_size=CHUNK)
+    engine = LMCacheEngineBuilder.get_or_create("cmp", cfg, md, connector, None, None)
+    engine.post_init()
+    prompt = lookup_tokens(max(sizes))
+    keys = [key for _, _, key in engine.token_database.process_tokens(prompt)]
     sm = engine.storage_manager
-    for key in keys:  # make every chunk present in the CPU tier without a GPU connector
-        obj = sm.allocate(torch.Size([2, 2, CHUNK, 16]), torch.bfloat16)
-        sm.put(key, obj)
-    hit = engine.lookup(tokens)
-    if hit != n:
-        raise RuntimeError(f"LMCache lookup found {hit} of {n} tokens after storing them")
-    return median_us(lambda: engine.lookup(tokens), 30)
+    # every chunk present in the CPU tier (the lookup only checks presence)
+    sm.batched_put(keys, [sm.allocate(torch.Size([2, 2, CHUNK, 16]), torch.bfloat16) for _ in keys])
+    for _ in range(200):  # puts may complete on LMCache's own thread
+        if engine.lookup(prompt) == len(prompt):
+            break
+        time.sleep(0.01)
+    else:
+        raise RuntimeError(f"LMCache lookup does not find the {len(prompt)} tokens stored")
+    out = {}
+    for n in sizes:
+        tokens = prompt[:n]
+        out[n] = median_us(lambda: engine.lookup(tokens), 30)
+    return out
 
 
 # ---------------------------------------------------------------------------- driver
@@ -239,6 +265,7 @@ def main() -> None:
     ap.add_argument("--paged-tokens", default="8192")
     ap.add_argument("--lookup-tokens", default="8192,32768")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per side")
     args = ap.parse_args()
     args.paged_tokens = [int(x) for x in args.paged_tokens.split(",") if x]
     args.lookup_tokens = [int(x) for x in args.lookup_tokens.split(",") if x]
@@ -260,7 +287,7 @@ def main() -> None:
         ("ours", sys.executable, dict(os.environ, PYTHONPATH=str(root))),
         ("lmcache", str(lmc_py), {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}),
     ):
-        proc = subprocess.run([py, __file__, "--side", side, *common], capture_output=True, text=True, env=env,
+        proc = subprocess.run([py, __file__, "--side", side, *common], capture_output=True, text=True, env=env, timeout=args.timeout,
                               cwd="/" if side == "lmcache" else str(root))
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
