@@ -36,7 +36,7 @@ from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_engine, random_kv_cach
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_engine_roundtrip import token_vectors  # noqa: E402
-from test_native_bounds import _cxx, build  # noqa: E402
+from test_native_bounds import _cxx, asan_build, build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 USE_ENV_LIB = os.environ.get("LMCACHE_FUZZ_ENV_LIB") == "1"  # set by the ASan rerun
@@ -296,20 +296,8 @@ def test_fuzz_under_asan(tmp_path):
     """The same fuzz in a subprocess against an ASan + UBSan build (fewer examples)."""
     if USE_ENV_LIB:
         pytest.skip("already the ASan run")
-    cxx = _cxx()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    found = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
-    libasan = found.stdout.strip()
-    if not os.path.isabs(libasan) or not os.path.exists(libasan):
-        pytest.skip("libasan is not available")
-    lib = build(tmp_path / "asan.so", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-                "-fno-omit-frame-pointer")
-    env = dict(
-        os.environ,
-        LD_PRELOAD=libasan,
-        ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
-        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
+    lib, env = asan_build(tmp_path)
+    env.update(
         LMCACHE_NATIVE_LIB=str(lib),
         LMCACHE_FUZZ_ENV_LIB="1",
         LMCACHE_FUZZ_EXAMPLES="60",

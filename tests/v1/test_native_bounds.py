@@ -189,8 +189,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["default", "sse2"])
-def test_asan_ubsan_build_random_shapes(tmp_path, isa):
+def asan_build(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """An ASan + UBSan build of the CPU kernels and the environment that loads it in a
+    subprocess (libasan preloaded; halt on the first error). Skips without a compiler or libasan."""
     cxx = _cxx()
     if cxx is None:
         pytest.skip("no C++ compiler")
@@ -198,20 +199,21 @@ def test_asan_ubsan_build_random_shapes(tmp_path, isa):
     libasan = found.stdout.strip()
     if not os.path.isabs(libasan) or not os.path.exists(libasan):
         pytest.skip("libasan is not available")
-    lib = build(
-        tmp_path / "asan.so",
-        "-O1",
-        "-fsanitize=address,undefined",
-        "-fno-sanitize-recover=undefined",
-        "-fno-omit-frame-pointer",
-    )
+    lib = build(tmp_path / "asan.so", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                "-fno-omit-frame-pointer")
     env = dict(
         os.environ,
         LD_PRELOAD=libasan,
         ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
         UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
-        LMCACHE_TEST_GUARD_BYTES="0",
     )
+    return lib, env
+
+
+@pytest.mark.parametrize("isa", ["default", "sse2"])
+def test_asan_ubsan_build_random_shapes(tmp_path, isa):
+    lib, env = asan_build(tmp_path)
+    env["LMCACHE_TEST_GUARD_BYTES"] = "0"
     if isa == "sse2":
         env["LMCACHE_NATIVE_ISA"] = "sse2"
     driver = _ASAN_DRIVER.format(tests=str(Path(__file__).parent))
