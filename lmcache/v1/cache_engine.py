@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from lmcache.errors import LogOnce
+from lmcache.v1.block_reuse import BlockReuse
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.protocol import KVConnector
 from lmcache.v1.keys import CacheEngineKey
@@ -84,6 +85,7 @@ class LMCacheEngine:
         self._ctx = TransferContext(
             metadata, self.token_database, self.storage_manager, self.stats, LogOnce(logger), gpu_connector
         )
+        self._ctx.blocks = BlockReuse.create(config, metadata, self.token_database, self.storage_manager)
         self.transfer: TransferPath = make_transfer_path(config, self._ctx)
         self.latency = self._ctx.latency
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
@@ -155,9 +157,10 @@ class LMCacheEngine:
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: TokenInput, pin: bool = False, **kwargs: Any) -> int:
-        """Number of leading tokens whose KV is cached (a multiple of chunk_size unless
-        the last chunk is partial). ``pin=True`` keeps those L1 entries from eviction
-        until :meth:`lookup_unpin`."""
+        """Number of leading tokens whose KV is cached: whole chunks, then (block-granular
+        reuse, when the metadata names a block size) whole blocks of the next chunk, or a
+        cached partial last chunk. ``pin=True`` keeps the L1 entries of the whole chunks
+        from eviction until :meth:`lookup_unpin` (and reports whole chunks only)."""
         if not isinstance(pin, bool):
             raise TypeError(f"pin={pin!r}: expected a bool")
         return self.lookup_prefix(self.prefix_keys(tokens, **kwargs), pin=pin)
@@ -180,10 +183,28 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         found = self.transfer.lookup(pk.keys, pin)
         hit = pk.end(found)
+        if not pin and hit < pk.num_tokens and self._ctx.blocks is not None:
+            hit += self._block_extension(pk, found)
         self.stats.add(lookup_requests=1, lookup_tokens=pk.num_tokens, lookup_hit_tokens=hit)
         self.latency["lookup"].observe(time.perf_counter() - t0)
         logger.debug("lmcache lookup: %d of %d tokens cached", hit, pk.num_tokens)
         return hit
+
+    def _block_extension(self, pk: PrefixKeys, found: int) -> int:
+        """Cached tokens of chunk ``found`` (the first that missed) at block granularity."""
+        blocks = self._ctx.blocks
+        assert blocks is not None
+        if pk.tokens is None or pk.extras is None or not len(blocks.index):
+            return 0
+        hashes = pk.block_hashes.get(found)
+        if hashes is None:
+            start = found * pk.chunk_size
+            chunk = tokens_to_array(pk.tokens[start : start + pk.chunk_size])
+            prev = pk.keys[found - 1] if found else None
+            hashes = blocks.prefix_hashes(chunk, blocks.prev_digest(chunk, pk.extras, 0, prev))
+            pk.block_hashes[found] = hashes
+        hit = blocks.best(hashes)
+        return hit.num_tokens if hit is not None else 0
 
     def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:
         """Undo the pins of a ``lookup(tokens, pin=True)`` with the same key extras."""

@@ -199,6 +199,7 @@ _PARSERS = {
     "remote_username": _as_opt_str,
     "remote_password": _as_secret,
     "save_unfull_chunk": _as_bool,
+    "block_granular_reuse": _as_bool,
     "use_layerwise": _as_bool,
     "cache_policy": _as_policy,
     "enable_hidden_state_cache": _as_bool,
@@ -252,6 +253,9 @@ class LMCacheEngineConfig:
     remote_username: str | None = None
     remote_password: str | None = field(default=None, repr=False)  # never logged
     save_unfull_chunk: bool = False
+    block_granular_reuse: bool = True
+    """Reuse cached KV at the serving engine's block granularity (needs the block size in
+    the engine metadata; the vLLM adapter passes it). See :mod:`lmcache.v1.block_reuse`."""
     use_layerwise: bool = False
     cache_policy: str = "LRU"
     enable_hidden_state_cache: bool = False

@@ -13,7 +13,11 @@ class LMCacheEngineMetadata:
 
     ``kv_shape`` is ``(num_layers, 2 or 1, chunk_size, num_kv_heads, head_size)``; the
     second entry is 1 for MLA (one latent vector per token), 2 otherwise. ``fmt`` names
-    the framework layout family (e.g. ``"vllm"``).
+    the framework layout family (e.g. ``"vllm"``). ``block_size`` is the serving
+    engine's KV page size in tokens (vLLM's ``cache_config.block_size``): when set (and
+    ``block_granular_reuse`` is on) cached KV is reused at that granularity, not only in
+    whole chunks (see :mod:`lmcache.v1.block_reuse`). None: whole chunks only. It never
+    changes keys: engines with different block sizes share entries.
     """
 
     model_name: str
@@ -23,6 +27,7 @@ class LMCacheEngineMetadata:
     kv_dtype: torch.dtype
     kv_shape: tuple[int, int, int, int, int]
     use_mla: bool = False
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -41,6 +46,13 @@ class LMCacheEngineMetadata:
             raise ValueError(f"kv_shape[1]={self.kv_shape[1]!r}: expected {expected_kv} (use_mla={self.use_mla})")
         if not isinstance(self.kv_dtype, torch.dtype):
             raise TypeError(f"kv_dtype={self.kv_dtype!r}: expected a torch.dtype")
+        if self.block_size is not None and (
+            type(self.block_size) is not int or self.block_size <= 0 or self.kv_shape[2] % self.block_size
+        ):
+            raise ValueError(
+                f"block_size={self.block_size!r}: expected None or a positive int dividing the chunk size "
+                f"{self.kv_shape[2]} (kv_shape[2])"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -115,6 +127,7 @@ class LMCacheMetadata(LMCacheEngineMetadata):
             "kv_dtype": kv_dtype,
             "kv_shape": tuple(kv_shape),
             "use_mla": use_mla,
+            "block_size": None,
             "local_world_size": local_world_size,
             "local_worker_id": local_worker_id,
             "role": role,

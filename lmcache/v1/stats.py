@@ -56,6 +56,9 @@ class CacheStats(Counters):
     """Payload bytes read from the CPU tier for those loads (likewise ``_disk``/``_remote``)."""
     hit_bytes_disk: int = 0
     hit_bytes_remote: int = 0
+    block_hit_tokens: int = 0
+    """Tokens of ``hit_tokens`` loaded from a block-aligned prefix of a longer or
+    different entry (block-granular reuse; see :mod:`lmcache.v1.block_reuse`)."""
     lookup_requests: int = 0
     lookup_tokens: int = 0
     lookup_hit_tokens: int = 0

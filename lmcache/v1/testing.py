@@ -94,11 +94,13 @@ def make_connector(
     )
 
 
-def make_metadata(spec: KVSpec, chunk_size: int, model_name: str = "test-model") -> LMCacheEngineMetadata:
+def make_metadata(
+    spec: KVSpec, chunk_size: int, model_name: str = "test-model", *, block_size: int | None = None
+) -> LMCacheEngineMetadata:
+    """Metadata of ``spec``; ``block_size`` (None: whole-chunk reuse) enables block-granular reuse."""
     heads = 1 if spec.use_mla else spec.num_heads
-    return LMCacheEngineMetadata(
-        model_name, 1, 0, "vllm", spec.dtype, (spec.num_layers, 1 if spec.use_mla else 2, chunk_size, heads, spec.head_size), spec.use_mla
-    )
+    shape = (spec.num_layers, 1 if spec.use_mla else 2, chunk_size, heads, spec.head_size)
+    return LMCacheEngineMetadata(model_name, 1, 0, "vllm", spec.dtype, shape, spec.use_mla, block_size)
 
 
 def make_engine(
@@ -109,16 +111,18 @@ def make_engine(
     layerwise: bool | None = None,
     buffered: bool = False,
     device: str = "cpu",
+    block_size: int | None = None,
 ) -> LMCacheEngine:
     """A standalone engine (not registered with the builder) for ``spec``.
 
     ``layerwise`` None follows ``config.use_layerwise``; True/False overrides it (on a
     copy of ``config``) and pairs the engine with the matching connector. ``device`` is
     where the paged KV lives (the connector's device; ``"cuda"`` uses its side streams).
+    ``block_size`` goes into the metadata (block-granular reuse; None: whole chunks).
     """
     cfg = config or LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.25})
     if layerwise is not None and layerwise != cfg.use_layerwise:
         cfg = cfg.copy()
         cfg.use_layerwise = layerwise
     connector = make_connector(spec, cfg.chunk_size, device, layerwise=cfg.use_layerwise, buffered=buffered)
-    return LMCacheEngine(cfg, make_metadata(spec, cfg.chunk_size, model_name), connector)
+    return LMCacheEngine(cfg, make_metadata(spec, cfg.chunk_size, model_name, block_size=block_size), connector)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -73,6 +73,11 @@ class PrefixKeys:
     num_tokens: int
     chunk_size: int
     keys: list[CacheEngineKey]
+    tokens: TokenInput | None = field(default=None, repr=False, compare=False)
+    """The tokens the keys were made from (block-granular reuse hashes a missing chunk's blocks)."""
+    extras: KeyExtras | None = field(default=None, repr=False, compare=False)
+    block_hashes: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
+    """Chunk index -> its block-prefix hashes, kept for repeated lookups of the same request."""
 
     def end(self, count: int) -> int:
         """Number of tokens covered by the first ``count`` keys."""
@@ -125,6 +130,34 @@ class ChunkedTokenDatabase:
 
     def _seed(self, extras: KeyExtras) -> bytes:
         return hashlib.blake2b(self._namespace + extras.encode(), digest_size=16).digest()
+
+    def chain_digest(self, arr: np.ndarray, chunk_index: int, extras: KeyExtras) -> bytes:
+        """The digest chunk ``chunk_index`` of ``arr`` chains on: the seed for chunk 0,
+        else the digest of chunk ``chunk_index - 1`` (validated int32 ``arr``)."""
+        seed = self._seed(extras)
+        if chunk_index == 0:
+            return seed
+        head = np.ascontiguousarray(arr[: chunk_index * self.chunk_size])
+        got = self._digests(head, seed, False)
+        digests = got[1] if got is not None else self._digests_py(head, seed, False)
+        return digests[-16:]
+
+    @staticmethod
+    def block_digests(arr: np.ndarray, prev: bytes, block: int) -> list[int]:
+        """Key hashes of the block-aligned prefixes of one chunk's tokens ``arr``.
+
+        Entry ``k`` is the ``chunk_hash`` a (partial) chunk holding ``arr[:(k + 1) * block]``
+        gets when it chains on ``prev`` (see :meth:`chain_digest`): the same formula as
+        every chunk key, so ``block_digests(arr, prev, len(arr))[0]`` is that chunk's own
+        key hash. One incremental BLAKE2b pass (the state is copied at each block end)."""
+        raw = memoryview(np.ascontiguousarray(arr, dtype="<i4").tobytes())
+        h = hashlib.blake2b(prev, digest_size=16)
+        step = 4 * block
+        out = []
+        for end in range(step, len(raw) + 1, step):
+            h.update(raw[end - step : end])
+            out.append(int.from_bytes(h.copy().digest(), "little"))
+        return out
 
     def _fixed_fields(self, req: tuple[tuple[str, str], ...]) -> tuple[tuple[Any, Any], ...]:
         """((slot descriptor, value), ...) shared by every key with request configs ``req``."""
@@ -186,7 +219,7 @@ class ChunkedTokenDatabase:
             if got is None:
                 got = (arr.shape[0], self._digests_py(arr, seed, partial))
         n, digests = got
-        return PrefixKeys(n, self.chunk_size, self._keys(digests, extras, 0))
+        return PrefixKeys(n, self.chunk_size, self._keys(digests, extras, 0), tokens, extras)
 
     def process_tokens(
         self,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -28,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from lmcache.errors import LogOnce
+from lmcache.v1.block_reuse import BlockReuse
 from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
 from lmcache.v1.gpu_connector.protocol import KVConnector
 from lmcache.v1.keys import CacheEngineKey
@@ -49,7 +51,7 @@ class TransferContext:
     a connector to an engine built without one); :meth:`require_connector` raises then.
     """
 
-    __slots__ = ("metadata", "token_database", "storage_manager", "stats", "log_once", "connector", "latency")
+    __slots__ = ("metadata", "token_database", "storage_manager", "stats", "log_once", "connector", "latency", "blocks")
 
     def __init__(
         self,
@@ -69,6 +71,8 @@ class TransferContext:
         self.latency = {op: LatencyHistogram() for op in ("store", "retrieve", "lookup")}
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
         not timed: their generators span the model's forward pass)."""
+        self.blocks: BlockReuse | None = None
+        """Block-granular reuse (set by the engine when on; see :mod:`lmcache.v1.block_reuse`)."""
 
     def require_connector(self) -> KVConnector:
         if self.connector is None:
@@ -77,6 +81,13 @@ class TransferContext:
 
     def spans(self, req: TransferRequest) -> list[ChunkSpan]:
         return self.token_database.spans_of(req.tokens, req.mask_start, req.extras)
+
+    def store_spans(self, req: TransferRequest) -> list[ChunkSpan]:
+        """Spans a store writes: with block reuse on, the trailing partial chunk cut to whole blocks."""
+        if self.blocks is None:
+            return self.spans(req)
+        keep = self.blocks.store_length(req.num_tokens)
+        return self.token_database.spans_of(req.tokens[:keep], req.mask_start, req.extras, include_partial=True)
 
     def pool_full(self, skipped_chunks: int) -> None:
         """The pool had no room even after eviction: the rest of a store is skipped (counted, logged once)."""
@@ -138,6 +149,15 @@ class TransferContext:
             "(logged once, counted in corrupt_entries)",
             why,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """A block prefix found by :meth:`BulkTransfer._block_tail` (``obj`` owned by the caller)."""
+
+    span: ChunkSpan
+    obj: MemoryObj
+    source: str
 
 
 def release(objs: Sequence[MemoryObj | None]) -> None:
@@ -216,7 +236,7 @@ class BulkTransfer(TransferPath):
         ctx = self.ctx
         kv = req.kv
         assert kv is not None
-        spans = ctx.spans(req)
+        spans = ctx.store_spans(req)
         ctx.stats.add(store_requests=1)
         if not spans:
             return 0
@@ -241,6 +261,8 @@ class BulkTransfer(TransferPath):
             sm.batched_put([s.key for s in todo], objs)
         finally:
             release(objs)
+        if ctx.blocks is not None:
+            ctx.blocks.register(req.tokens, req.extras, todo, {s.end: s.key for s in spans})
         stored = sum(s.end - s.start for s in todo)
         ctx.stats.add(stored_tokens=stored, stored_bytes=sum(o.get_size() for o in objs))
         logger.debug("lmcache store: %d tokens in %d chunks", stored, len(todo))
@@ -258,7 +280,7 @@ class BulkTransfer(TransferPath):
         ret = torch.zeros(req.num_tokens, dtype=torch.bool)
         spans = ctx.spans(req)
         ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
-        if not spans:
+        if not spans and ctx.blocks is None:
             return ret
         connector = self.connector()
         sources: list[str] = []
@@ -266,8 +288,19 @@ class BulkTransfer(TransferPath):
         hits = [o for o in objs if o is not None]
         fit = ctx.fitting_prefix(spans, hits, connector)
         release(hits[fit:])
+        tail = None
+        if fit == len(hits) and ctx.blocks is not None:
+            try:
+                tail = self._block_tail(req, spans, fit, connector)
+            except BaseException:
+                release(hits[:fit])
+                raise
         hits = hits[:fit]
         spans = spans[:fit]
+        if tail is not None:
+            spans.append(tail.span)
+            hits.append(tail.obj)
+            sources = sources[:fit] + [tail.source]
         loaded = 0
         try:
             if hits:
@@ -275,12 +308,55 @@ class BulkTransfer(TransferPath):
                 req.mark_written(ret, spans[0].start, spans[-1].end)
                 loaded = spans[-1].end - spans[0].start
                 ctx.count_loaded(spans, sources, [o.get_size() for o in hits], ret)
+                if tail is not None:
+                    ctx.stats.add(block_hit_tokens=tail.span.end - tail.span.start)
         finally:
             release(hits)
         # tokens of the chunks loaded from the cache (a token without a slot, e.g. one vLLM
         # already holds, is loaded but not written: counted here, False in the mask)
         ctx.stats.add(hit_tokens=loaded)
         return ret
+
+    def _block_tail(
+        self, req: TransferRequest, spans: Sequence[ChunkSpan], num_hit: int, connector: GPUConnectorInterface
+    ) -> _Tail | None:
+        """Block-granular reuse after ``num_hit`` retrieved spans: the longest block-aligned
+        prefix of the next chunk that an indexed entry holds, as a pool object of exactly
+        those tokens (a copy of the entry's first tokens when the entry is longer); None
+        when there is none or it cannot be read. The caller owns the returned object."""
+        ctx = self.ctx
+        blocks = ctx.blocks
+        assert blocks is not None
+        chunk = blocks.chunk_size
+        start = spans[num_hit].start if num_hit < len(spans) else (spans[-1].end if spans else req.mask_start)
+        if start % chunk or start >= req.num_tokens:
+            return None
+        prev = spans[num_hit - 1].key if num_hit else None
+        hashes = blocks.prefix_hashes(req.tokens[start : start + chunk], blocks.prev_digest(req.tokens, req.extras, start // chunk, prev))
+        hit = blocks.best(hashes)
+        if hit is None:
+            return None
+        sources: list[str] = []
+        obj = ctx.storage_manager.batched_get([hit.key], sources=sources)[0]
+        if obj is None:
+            return None
+        n = hit.num_tokens
+        dtype, fmt = ctx.metadata.kv_dtype, connector.fmt
+        held = obj.shape[fmt.token_dim()] if len(obj.shape) == 4 else -1
+        if obj.dtype != dtype or obj.fmt != fmt or held < n or obj.shape != tuple(connector.get_shape(held)):
+            release([obj])
+            ctx.drop_corrupt(hit.key, f"shape {obj.shape} {obj.dtype} {obj.fmt.name} for a {n}-token block prefix")
+            return None
+        if held > n:
+            part = ctx.storage_manager.allocate(connector.get_shape(n), dtype, fmt)
+            if part is not None:
+                assert part.tensor is not None and obj.tensor is not None
+                part.tensor.copy_(obj.tensor.narrow(fmt.token_dim(), 0, n))
+            release([obj])
+            if part is None:
+                return None
+            obj = part
+        return _Tail(ChunkSpan(start, start + n, hit.key), obj, sources[0] if sources else "unknown")
 
     def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
         return self.ctx.storage_manager.batched_contains(keys, pin=pin)
