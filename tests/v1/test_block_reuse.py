@@ -133,7 +133,7 @@ def test_lookup_and_retrieve_match_the_shared_blocks(n_a, shared_frac, extra_b, 
     b = a[:shared] + [t + 1 for t in a[shared : shared + extra_b]]  # diverges right after `shared`
     expected = expected_hit(n_a, shared, len(b), block, exact_tails)
     got = engine.lookup(b)
-    assert got == expected, (n_a, shared, len(b), kept)
+    assert got == expected, (n_a, shared, len(b))
     if got:
         kv2 = [torch.zeros_like(t) for t in kv]
         slots_b = random_slot_mapping(spec, got, seed=7)
