@@ -416,7 +416,33 @@ def test_shared_prefix_is_loaded_and_kv_is_exact(mini):
     assert rb["external"] == 48 and not rb["errors"]
     mini.assert_kv_correct(b, rb["blocks"])
     assert mini.engine.stats.hit_tokens == 48
-    assert mini.engine.stats.stored_tokens == stored  # b's only new complete chunk: none (63 tokens)
+    # b has no new complete chunk (63 tokens); its last partial chunk is kept cut to
+    # whole blocks (block-granular reuse, bulk path only): tokens 48..55
+    assert mini.engine.stats.stored_tokens == stored + (0 if mini.layerwise else BLOCK)
+
+
+def test_block_granular_reuse_of_a_shared_prefix_and_a_chat(mini):
+    """A prefix shared inside a chunk is reused block by block (from a's whole chunk), and
+    the next turn of a chat reuses the previous prompt's last partial chunk, KV exact."""
+    if mini.layerwise:
+        pytest.skip("the layerwise path reuses whole chunks (block reuse is a bulk-path feature)")
+    base = prompt(70, 21)
+    ra = mini.serve(FakeRequest("a", base))
+    mini.assert_kv_correct(FakeRequest("a", base), ra["blocks"])
+    b = FakeRequest("b", base[: 2 * 16 + BLOCK + 3] + prompt(20, 22))  # 2 chunks (of 16) + 1 block + 3
+    rb = mini.serve(b)
+    assert rb["external"] == 2 * 16 + BLOCK and not rb["errors"]
+    mini.assert_kv_correct(b, rb["blocks"])
+    assert mini.engine.stats.block_hit_tokens == BLOCK
+    turn = list(base)
+    for i in range(3):
+        turn = turn + prompt(11 + 5 * i, 30 + i)
+        req = FakeRequest(f"t{i}", list(turn))
+        prev_len = len(turn) - (11 + 5 * i)
+        r = mini.serve(req)
+        assert r["external"] == prev_len - (prev_len % 16) % BLOCK and not r["errors"], i
+        mini.assert_kv_correct(req, r["blocks"])
+    assert mini.engine.stats.load_errors == 0
 
 
 def test_whole_cached_prompt_leaves_one_token(mini):
@@ -480,7 +506,8 @@ def test_engine_exceptions_degrade_to_recompute(mini, monkeypatch):
     monkeypatch.setattr(mini.engine, "store_layer" if mini.layerwise else "store", boom)
     b = FakeRequest("b", list(base))
     rb = mini.serve(b)
-    assert rb["external"] == 32 and rb["errors"]
+    # the bulk path also kept a's last 8 tokens (one whole block): all but the last token
+    assert rb["external"] == (32 if mini.layerwise else 39) and rb["errors"]
     mini.assert_kv_correct(b, rb["blocks"])
 
 
@@ -503,15 +530,16 @@ def test_repeated_lookup_of_a_waiting_request_reuses_its_keys(mini):
     assert sched.get_num_new_matched_tokens(waiting, 0) == 0
     assert sched.counters["repeated_lookups"] == 1
     mini.serve(FakeRequest("a", list(base)))  # the prefix gets stored while "w" waits
-    assert sched.get_num_new_matched_tokens(waiting, 0) == 64  # re-probed, not a stale answer
+    cached = 64 if mini.layerwise else 72  # bulk: the 8-token tail is one whole block, kept too
+    assert sched.get_num_new_matched_tokens(waiting, 0) == min(cached, 71)  # re-probed, not stale
     assert sched.counters["repeated_lookups"] == 2
     waiting.output.extend(base[:8])  # tokens changed (preempted after decoding): memo dropped
-    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.get_num_new_matched_tokens(waiting, 0) == cached
     assert sched.counters["repeated_lookups"] == 2
     waiting.output[-1] += 1  # same length, different tokens: dropped again
-    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.get_num_new_matched_tokens(waiting, 0) == cached
     assert sched.counters["repeated_lookups"] == 2
-    assert sched.get_num_new_matched_tokens(waiting, 0) == 64
+    assert sched.get_num_new_matched_tokens(waiting, 0) == cached
     assert sched.counters["repeated_lookups"] == 3
     sched.request_finished(waiting, [])
     assert "w" not in sched._memos
@@ -524,7 +552,7 @@ def test_scheduler_sets_recompute_policy(mini):
 def test_stats_collected_in_process(mini):
     mini.serve(FakeRequest("a", prompt(40, 12)))
     stats = vutils.collect_stats(mini.config.kv_transfer_config.engine_id)
-    assert stats["stored_tokens"] == 32
+    assert stats["stored_tokens"] == (32 if mini.layerwise else 40)  # bulk: + the one-block tail
     assert stats["scheduler_lookups"] == 1
 
 
@@ -555,12 +583,13 @@ def test_lookup_service_round_trip(mini, monkeypatch):
     dispatcher = LookupDispatcher(settings_)
     monkeypatch.setattr("lmcache.integration.vllm.scheduler_side.engine_for", lambda *_: None)  # "another process"
     try:
-        assert dispatcher.lookup(base, {"cache_salt": "s"}) == 32
+        cached = 32 if mini.layerwise else 40  # bulk: + the one-block tail
+        assert dispatcher.lookup(base, {"cache_salt": "s"}) == cached
         assert dispatcher.lookup(base, {}) == 0
         assert dispatcher.used_socket
         monkeypatch.setattr("lmcache.integration.vllm.utils.engine_for", lambda *_: None)
         stats = vutils.collect_stats(settings_.engine_id, socket_dir=settings_.socket_dir)
-        assert stats["stored_tokens"] == 32 and stats["lookup_hit_tokens"] >= 32
+        assert stats["stored_tokens"] == cached and stats["lookup_hit_tokens"] >= cached
     finally:
         dispatcher.close()
 
@@ -657,7 +686,7 @@ def test_dynamic_connector_forwards(tmp_path):
         worker.wait_for_save()
         assert worker.get_block_ids_with_load_errors() == set()
         assert sched.request_finished(req, [0]) == (False, None)
-        assert worker.engine.stats.stored_tokens == 32
+        assert worker.engine.stats.stored_tokens == 40  # 2 chunks + a one-block tail
         assert not worker.requires_kv_delivery
     finally:
         worker.shutdown()

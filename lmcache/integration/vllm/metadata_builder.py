@@ -85,6 +85,19 @@ class AdapterSettings:
         return self.config.chunk_size
 
     @property
+    def reuse_block_size(self) -> int | None:
+        """vLLM's block size when cached KV is reused at block granularity, else None.
+
+        On by default (``block_granular_reuse``); needs the bulk path and a block size
+        that divides the chunk size (vLLM's are powers of two)."""
+        cfg = self.config
+        if not cfg.block_granular_reuse or cfg.use_layerwise:
+            return None
+        if self.block_size >= cfg.chunk_size or cfg.chunk_size % self.block_size:
+            return None
+        return self.block_size
+
+    @property
     def hidden_dim(self) -> int:
         return self.head_size if self.use_mla else self.num_kv_heads * self.head_size
 
@@ -141,7 +154,8 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
 
 
 def build_engine_metadata(settings: AdapterSettings, rank: int) -> LMCacheEngineMetadata:
-    """``LMCacheEngineMetadata`` of worker ``rank``: model, TP size/rank, KV dtype and shape."""
+    """``LMCacheEngineMetadata`` of worker ``rank``: model, TP size/rank, KV dtype and shape,
+    and vLLM's block size when KV is reused at block granularity."""
     heads = 1 if settings.use_mla else settings.num_kv_heads
     kv_shape = (settings.num_layers, 1 if settings.use_mla else 2, settings.chunk_size, heads, settings.head_size)
     return LMCacheEngineMetadata(
@@ -152,6 +166,7 @@ def build_engine_metadata(settings: AdapterSettings, rank: int) -> LMCacheEngine
         settings.kv_dtype,
         kv_shape,
         settings.use_mla,
+        settings.reuse_block_size,
     )
 
 

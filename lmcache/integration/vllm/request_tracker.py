@@ -18,8 +18,9 @@ request, as vLLM drives it:
 
 A preempted request comes back through 1-3 (vLLM resets its computed tokens), so its
 prompt chunks are loaded again instead of recomputed. Only prompt tokens are saved;
-only complete chunks unless ``save_unfull_chunk`` (then also the prompt's last,
-partial chunk once the prompt is complete).
+only complete chunks, plus the prompt's last, partial chunk once the prompt is complete
+when ``save_unfull_chunk`` is on or KV is reused at block granularity (the engine then
+keeps that chunk's whole blocks: the next turn of a chat finds them).
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class PlannerConfig:
     chunk_size: int
     block_size: int
     save_unfull_chunk: bool = False
+    reuse_block_size: int | None = None
+    """vLLM's block size when the engine reuses KV at block granularity (None: whole chunks)."""
     enable_load: bool = True
     enable_save: bool = True
 
@@ -106,6 +109,21 @@ class RequestPlanner:
         self.warn = failure_logger(logger)
         self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
+
+    @property
+    def min_cached_tokens(self) -> int:
+        """The shortest prefix the cache can hold: a chunk, a block, or one token with
+        ``save_unfull_chunk``."""
+        cfg = self.config
+        if cfg.save_unfull_chunk:
+            return 1
+        return cfg.reuse_block_size or cfg.chunk_size
+
+    @property
+    def saves_tail(self) -> bool:
+        """Whether the prompt's last, partial chunk is handed to the engine (which keeps
+        it whole with ``save_unfull_chunk``, cut to whole blocks with block reuse)."""
+        return self.config.save_unfull_chunk or self.config.reuse_block_size is not None
 
     # --------------------------------------------------------------- lookup side
     def track(self, request: Any) -> RequestTracker | None:
@@ -128,8 +146,8 @@ class RequestPlanner:
         if tracker is None:
             return None
         n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
-        if n < self.config.chunk_size and not self.config.save_unfull_chunk:
-            return None  # no complete chunk can be cached
+        if n < self.min_cached_tokens:
+            return None  # nothing this short is ever cached
         return list(request.all_token_ids[:n])
 
     def offer(self, request: Any, num_computed: int, num_hit: int) -> int:
@@ -208,7 +226,7 @@ class RequestPlanner:
         save = None
         if cfg.enable_save:
             save = save_range(
-                num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, cfg.save_unfull_chunk
+                num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
         if load is None and save is None:
             return

@@ -128,6 +128,7 @@ class SchedulerConnector:
                 chunk_size=settings.chunk_size,
                 block_size=settings.block_size,
                 save_unfull_chunk=settings.config.save_unfull_chunk,
+                reuse_block_size=settings.reuse_block_size,
                 enable_load=settings.enable_load,
                 enable_save=settings.enable_save,
             )
