@@ -26,7 +26,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -186,6 +188,26 @@ def shared_prefix_prompts(
     return prompts
 
 
+def block_aligned_shared(prompt: Sequence[int], stored: Sequence[Sequence[int]], block_size: int) -> int:
+    """Tokens of ``prompt`` a cache holding the ``stored`` prompts can hand to vLLM at block
+    granularity: the longest common prefix with any of them, cut to whole blocks, and
+    never the prompt's last token (vLLM computes at least one)."""
+    best = 0
+    p = np.asarray(prompt, dtype=np.int64)
+    for s in stored:
+        n = min(len(s), len(p))
+        diff = np.flatnonzero(np.asarray(s[:n], dtype=np.int64) != p[:n])
+        best = max(best, int(diff[0]) if diff.size else n)
+    return min(best - best % block_size, len(p) - 1)
+
+
+def reuse_report(prompts: Sequence[Sequence[int]], accepted: Sequence[int], block_size: int) -> tuple[int, int]:
+    """(tokens vLLM took from the cache, block-aligned shared tokens) over a sequence of
+    prompts served one after another, each stored after it ran."""
+    shared = sum(block_aligned_shared(p, prompts[:i], block_size) for i, p in enumerate(prompts))
+    return sum(accepted), shared
+
+
 # ------------------------------------------------------------------------------ runner
 
 
@@ -220,6 +242,10 @@ class VLLMRun:
     """Override vLLM's number of KV blocks (small values force preemption)."""
     one_by_one: bool = False
     """Generate each prompt of a round in its own ``generate`` call (timing per prompt)."""
+    chat_from: int | None = None
+    """Rounds from this index on are chat turns: each holds one message, and its prompt is
+    the previous turn's prompt + that turn's output (the answer) + the message (the first
+    turn's prompt is its message). Every round's result has ``"prompts"``."""
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 600.0
 
@@ -388,7 +414,14 @@ def _child_main(spec_path: str, out_path: str) -> None:
 
     world_size = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
     rounds = []
+    history: list[int] = []
     for i, prompts in enumerate(run.rounds):
+        chat = run.chat_from is not None and i >= run.chat_from
+        if chat:
+            if len(prompts) != 1:
+                raise ValueError(f"rounds[{i}]: a chat turn holds exactly one message, got {len(prompts)}")
+            history = history + prompts[0]
+            prompts = [history]
         action_info = None
         if i in run.actions:
             action_info = _apply_action(engine_id, run.actions[i])
@@ -404,8 +437,11 @@ def _child_main(spec_path: str, out_path: str) -> None:
             outputs.extend(list(r.outputs[0].token_ids) for r in res)
         seconds = time.perf_counter() - t_round
         stats = collect_stats(engine_id, world_size) if engine_id is not None else None
+        if chat:
+            history = history + outputs[0]
         rounds.append(
             {
+                "prompts": prompts,
                 "outputs": outputs,
                 "stats": stats,
                 "seconds": seconds,

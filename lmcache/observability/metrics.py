@@ -76,6 +76,12 @@ METRICS: tuple[MetricDef, ...] = (
         disk="hit_tokens_disk",
         remote="hit_tokens_remote",
     ),
+    _c(
+        "lmcache_block_hit_tokens",
+        "Tokens of lmcache_hit_tokens loaded from a block-aligned prefix of a longer or different entry "
+        "(block-granular reuse).",
+        "block_hit_tokens",
+    ),
     _by_tier(
         "lmcache_loaded_bytes",
         COUNTER,

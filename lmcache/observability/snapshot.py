@@ -61,6 +61,7 @@ PER_REQUEST_KEYS = frozenset(
         "hit_tokens_cpu",
         "hit_tokens_disk",
         "hit_tokens_remote",
+        "block_hit_tokens",
         "store_requests",
         "stored_tokens",
         "hidden_retrieve_requests",

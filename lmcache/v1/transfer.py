@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -333,12 +333,12 @@ class BulkTransfer(TransferPath):
             return None
         prev = spans[num_hit - 1].key if num_hit else None
         hashes = blocks.prefix_hashes(req.tokens[start : start + chunk], blocks.prev_digest(req.tokens, req.extras, start // chunk, prev))
-        hit = blocks.best(hashes)
-        if hit is None:
-            return None
         sources: list[str] = []
-        obj = ctx.storage_manager.batched_get([hit.key], sources=sources)[0]
-        if obj is None:
+        for hit in blocks.index.candidates(hashes):  # longest first; a gone entry falls back
+            obj = ctx.storage_manager.batched_get([hit.key], sources=sources)[0]
+            if obj is not None:
+                break
+        else:
             return None
         n = hit.num_tokens
         dtype, fmt = ctx.metadata.kv_dtype, connector.fmt

@@ -228,3 +228,27 @@ def test_block_index_is_bounded_oldest_first():
 def test_metadata_block_size_is_validated(bad):
     with pytest.raises(ValueError, match="block_size"):
         LMCacheEngineMetadata("m", 1, 0, "vllm", torch.float16, (2, 2, CHUNK, 2, 8), False, bad)
+
+
+def test_gone_longest_match_falls_back_to_a_shorter_one():
+    """Two entries share 2 blocks of chunk 1; the one sharing 3 blocks with B is removed:
+    B then reuses 2 blocks from the other, bit-exact."""
+    rng = np.random.default_rng(7)
+    spec = KVSpec(layout="vllm_cpu", num_blocks=60, block_size=BLOCK)
+    engine = make_engine(spec, _cfg(), block_size=BLOCK)
+    kv = random_kv_caches(spec, seed=14)
+    a = _tokens(rng, 2 * CHUNK)
+    a2 = a[: CHUNK + 2 * BLOCK] + _tokens(rng, CHUNK - 2 * BLOCK)
+    slots_a = random_slot_mapping(spec, len(a), seed=15)
+    engine.store(a, kvcaches=kv, slot_mapping=slots_a)
+    engine.store(a2, kvcaches=kv, slot_mapping=slots_a)  # same KV for the shared tokens
+    b = a[: CHUNK + 3 * BLOCK] + _tokens(rng, 5)
+    assert engine.lookup(b) == CHUNK + 3 * BLOCK
+    assert engine.storage_manager.remove(engine.keys(a)[1])
+    assert engine.lookup(b) == CHUNK + 2 * BLOCK
+    kv2 = [torch.zeros_like(t) for t in kv]
+    slots_b = random_slot_mapping(spec, len(b), seed=16)
+    ret = engine.retrieve(b, kvcaches=kv2, slot_mapping=slots_b)
+    assert int(ret.sum()) == CHUNK + 2 * BLOCK
+    assert_same_tokens(kv, slots_a, kv2, slots_b, spec, CHUNK + 2 * BLOCK)
+    engine.close()
