@@ -254,15 +254,18 @@ class BulkTransfer(TransferPath):
                 break
             objs.append(obj)
         todo = todo[: len(objs)]
+        if objs:
+            try:
+                connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)
+                sm.batched_put([s.key for s in todo], objs)
+            finally:
+                release(objs)
+        if ctx.blocks is not None:
+            # the cached prefix too: its entries may come from a restart's disk tier or
+            # another server, and re-adding refreshes the index's order
+            ctx.blocks.register(req.tokens, req.extras, spans[:cached] + todo, {s.end: s.key for s in spans})
         if not objs:
             return 0
-        try:
-            connector.batched_from_gpu(objs, [s.start for s in todo], [s.end for s in todo], kv)
-            sm.batched_put([s.key for s in todo], objs)
-        finally:
-            release(objs)
-        if ctx.blocks is not None:
-            ctx.blocks.register(req.tokens, req.extras, todo, {s.end: s.key for s in spans})
         stored = sum(s.end - s.start for s in todo)
         ctx.stats.add(stored_tokens=stored, stored_bytes=sum(o.get_size() for o in objs))
         logger.debug("lmcache store: %d tokens in %d chunks", stored, len(todo))

@@ -252,3 +252,30 @@ def test_gone_longest_match_falls_back_to_a_shorter_one():
     assert int(ret.sum()) == CHUNK + 2 * BLOCK
     assert_same_tokens(kv, slots_a, kv2, slots_b, spec, CHUNK + 2 * BLOCK)
     engine.close()
+
+
+def test_entries_stored_by_another_engine_are_indexed_when_stored_again(tmp_path):
+    """A second engine on the same disk tier (a restart) knows no block prefixes until it
+    stores the prompt again; the store finds the chunks cached and indexes them."""
+    rng = np.random.default_rng(8)
+    spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
+    cfg = _cfg(local_disk=str(tmp_path), max_local_disk_size=0.1)
+    kv = random_kv_caches(spec, seed=17)
+    a = _tokens(rng, 2 * CHUNK)
+    slots = random_slot_mapping(spec, len(a), seed=18)
+    first = make_engine(spec, cfg, block_size=BLOCK)
+    first.store(a, kvcaches=kv, slot_mapping=slots)
+    assert first.storage_manager.flush(timeout=30)
+    first.close()
+    second = make_engine(spec, cfg, block_size=BLOCK)
+    b = a[: CHUNK + BLOCK] + _tokens(rng, 9)
+    assert second.lookup(a) == 2 * CHUNK  # whole chunks: from the disk tier
+    assert second.lookup(b) == CHUNK  # no block index yet
+    assert second.store(a, kvcaches=kv, slot_mapping=slots) == 0  # all cached: nothing copied
+    assert second.lookup(b) == CHUNK + BLOCK
+    kv2 = [torch.zeros_like(t) for t in kv]
+    slots_b = random_slot_mapping(spec, CHUNK + BLOCK, seed=19)
+    ret = second.retrieve(b[: CHUNK + BLOCK], kvcaches=kv2, slot_mapping=slots_b)
+    assert bool(ret.all())
+    assert_same_tokens(kv, slots, kv2, slots_b, spec, CHUNK + BLOCK)
+    second.close()
