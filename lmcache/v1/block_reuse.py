@@ -70,32 +70,58 @@ class BlockHit:
 
 
 class BlockIndex:
-    """Bounded map: block-prefix key hash -> (stored entry's key, prefix length). Thread-safe."""
+    """Bounded map: block-prefix key hash -> (stored entry's key, prefix length). Thread-safe.
+
+    Entries are kept and dropped per stored chunk (oldest registration first), so an entry
+    the index knows (:meth:`knows`) has all its block prefixes indexed."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         if type(max_entries) is not int or max_entries <= 0:
             raise ValueError(f"max_entries={max_entries!r}: expected a positive int")
         self.max_entries = max_entries
-        self._map: OrderedDict[int, BlockHit] = OrderedDict()
+        self._by_hash: dict[int, BlockHit] = {}
+        self._by_key: OrderedDict[CacheEngineKey, tuple[int, ...]] = OrderedDict()
+        self._size = 0
         self._lock = threading.Lock()
+
+    def knows(self, key: CacheEngineKey) -> bool:
+        """Whether ``key``'s block prefixes are indexed (and mark it recently used)."""
+        with self._lock:
+            if key not in self._by_key:
+                return False
+            self._by_key.move_to_end(key)
+            return True
 
     def add(self, key: CacheEngineKey, hashes: Sequence[int], block: int) -> None:
         """Record ``hashes[k]`` as the prefix of ``(k + 1) * block`` tokens of entry ``key``."""
         with self._lock:
+            self._drop(key)
             for k, h in enumerate(hashes):
-                self._map[h] = BlockHit(key, (k + 1) * block)
-                self._map.move_to_end(h)
-            while len(self._map) > self.max_entries:
-                self._map.popitem(last=False)
+                self._by_hash[h] = BlockHit(key, (k + 1) * block)
+            self._by_key[key] = tuple(hashes)
+            self._size += len(hashes)
+            while self._size > self.max_entries and self._by_key:
+                self._drop(next(iter(self._by_key)))
+
+    def _drop(self, key: CacheEngineKey) -> None:
+        hashes = self._by_key.pop(key, None)
+        if hashes is None:
+            return
+        self._size -= len(hashes)
+        for h in hashes:
+            hit = self._by_hash.get(h)
+            if hit is not None and hit.key == key:  # a later entry may have taken the prefix over
+                del self._by_hash[h]
 
     def candidates(self, hashes: Sequence[int]) -> list[BlockHit]:
         """The known prefixes among ``hashes`` (``hashes[k]``: ``k + 1`` blocks), longest first."""
         with self._lock:
-            found = [self._map.get(h) for h in reversed(hashes)]
+            found = [self._by_hash.get(h) for h in reversed(hashes)]
         return [hit for hit in found if hit is not None]
 
     def __len__(self) -> int:
-        return len(self._map)
+        """Indexed block prefixes."""
+        return len(self._by_hash)
 
 
 class BlockReuse:
@@ -150,7 +176,8 @@ class BlockReuse:
         return num_tokens - (num_tokens % self.chunk_size) % self.block_size
 
     def register(self, tokens: np.ndarray, extras: KeyExtras, spans: Sequence[ChunkSpan], prev_key: dict[int, CacheEngineKey]) -> None:
-        """Index the block prefixes of the stored ``spans`` (after the put succeeded).
+        """Index the block prefixes of the cached ``spans`` (stored, found or loaded) that
+        the index does not know yet.
 
         ``prev_key[start]`` is the key of the chunk ending at ``start`` when the caller
         has it (otherwise the chain digest is recomputed from the tokens). A whole
@@ -160,7 +187,7 @@ class BlockReuse:
         for span in spans:
             length = span.end - span.start
             last = length - b if length == c else length - length % b
-            if last < b:
+            if last < b or self.index.knows(span.key):
                 continue
             prev = self.prev_digest(tokens, extras, span.start // c, prev_key.get(span.start))
             self.index.add(span.key, self.token_database.block_digests(tokens[span.start : span.start + last], prev, b), b)

@@ -315,6 +315,9 @@ class BulkTransfer(TransferPath):
                     ctx.stats.add(block_hit_tokens=tail.span.end - tail.span.start)
         finally:
             release(hits)
+        if loaded and ctx.blocks is not None:  # chunks written by a previous process or another server
+            whole = spans[:-1] if tail is not None else spans
+            ctx.blocks.register(req.tokens, req.extras, whole, {s.end: s.key for s in whole})
         # tokens of the chunks loaded from the cache (a token without a slot, e.g. one vLLM
         # already holds, is loaded but not written: counted here, False in the mask)
         ctx.stats.add(hit_tokens=loaded)

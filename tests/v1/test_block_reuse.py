@@ -212,13 +212,17 @@ def test_repeated_lookup_reuses_block_hashes():
 def test_block_index_is_bounded_oldest_first():
     spec = KVSpec(layout="flash_attn", num_blocks=4, block_size=BLOCK)
     engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    key = engine.keys(list(range(CHUNK)))[0]
+    k1, k2 = engine.keys(list(range(2 * CHUNK)))
     index = BlockIndex(max_entries=5)
-    index.add(key, [1, 2, 3], BLOCK)
-    index.add(key, [4, 5, 6], BLOCK)
-    assert len(index) == 5
-    assert index.candidates([1]) == []
-    assert [h.num_tokens for h in index.candidates([2, 3])] == [3 * BLOCK, 2 * BLOCK]
+    index.add(k1, [1, 2, 3], BLOCK)
+    assert index.knows(k1) and not index.knows(k2)
+    index.add(k2, [4, 5, 6], BLOCK)  # 6 > 5: the oldest entry goes, with all its prefixes
+    assert len(index) == 3 and not index.knows(k1) and index.knows(k2)
+    assert index.candidates([1, 2, 3]) == []
+    assert [(h.key, h.num_tokens) for h in index.candidates([4, 5])] == [(k2, 2 * BLOCK), (k2, BLOCK)]
+    index.add(k1, [7, 5], BLOCK)  # k1 takes prefix 5 over; dropping k2 later keeps it
+    index.add(k2, [8], BLOCK)
+    assert [(h.key, h.num_tokens) for h in index.candidates([7, 5])] == [(k1, 2 * BLOCK), (k1, BLOCK)]
     with pytest.raises(ValueError, match="max_entries"):
         BlockIndex(0)
     engine.close()
@@ -254,9 +258,10 @@ def test_gone_longest_match_falls_back_to_a_shorter_one():
     engine.close()
 
 
-def test_entries_stored_by_another_engine_are_indexed_when_stored_again(tmp_path):
+@pytest.mark.parametrize("how", ["retrieve", "store"])
+def test_entries_of_another_engine_are_indexed_when_served(tmp_path, how):
     """A second engine on the same disk tier (a restart) knows no block prefixes until it
-    stores the prompt again; the store finds the chunks cached and indexes them."""
+    serves the prompt: a retrieve of its chunks, or a store that finds them cached."""
     rng = np.random.default_rng(8)
     spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
     cfg = _cfg(local_disk=str(tmp_path), max_local_disk_size=0.1)
@@ -271,7 +276,11 @@ def test_entries_stored_by_another_engine_are_indexed_when_stored_again(tmp_path
     b = a[: CHUNK + BLOCK] + _tokens(rng, 9)
     assert second.lookup(a) == 2 * CHUNK  # whole chunks: from the disk tier
     assert second.lookup(b) == CHUNK  # no block index yet
-    assert second.store(a, kvcaches=kv, slot_mapping=slots) == 0  # all cached: nothing copied
+    if how == "store":
+        assert second.store(a, kvcaches=kv, slot_mapping=slots) == 0  # all cached: nothing copied
+    else:
+        scratch = [torch.zeros_like(t) for t in kv]
+        assert bool(second.retrieve(a, kvcaches=scratch, slot_mapping=slots).all())
     assert second.lookup(b) == CHUNK + BLOCK
     kv2 = [torch.zeros_like(t) for t in kv]
     slots_b = random_slot_mapping(spec, CHUNK + BLOCK, seed=19)
