@@ -116,7 +116,7 @@ def reuse_run(model_dir: Path, block: int, turns: int = 6) -> bool:
     then again) and a ``turns``-turn chat (each prompt = previous prompt + its answer + a
     new message). Prints tokens vLLM took from the cache / block-aligned shared tokens
     and whether greedy outputs equal plain vLLM's; True when both targets are met."""
-    rng = random.Random(7)
+    rng = random.Random(8)
     prompts = shared_prefix_prompts(chunk_size=CHUNK, vocab_size=2000, seed=7)
     system = [rng.randrange(10, 2000) for _ in range(1000)]
     questions = [system + [rng.randrange(10, 2000) for _ in range(rng.randrange(20, 300))] for _ in range(6)]
@@ -141,7 +141,9 @@ def reuse_run(model_dir: Path, block: int, turns: int = 6) -> bool:
             "1000-token system prompt": slice(2 * len(prompts), chat_from),
             f"{turns}-turn chat": slice(chat_from, None),
         }
-        reports[reuse] = {name: reuse_report(served[sl], accepted[sl], block) for name, sl in sets.items()}
+        reports[reuse] = {
+            name: reuse_report(served[sl], accepted[sl], block, served[: sl.start]) for name, sl in sets.items()
+        }
         checks[reuse] = ([r["outputs"] for r in lm] == [r["outputs"] for r in plain], lm[-1]["stats"]["load_errors"])
     ok = True
     print(f"\nreuse, vLLM block size {block}, chunk {CHUNK}: tokens vLLM took from the cache / block-aligned shared")

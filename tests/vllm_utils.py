@@ -201,10 +201,20 @@ def block_aligned_shared(prompt: Sequence[int], stored: Sequence[Sequence[int]],
     return min(best - best % block_size, len(p) - 1)
 
 
-def reuse_report(prompts: Sequence[Sequence[int]], accepted: Sequence[int], block_size: int) -> tuple[int, int]:
+def reuse_report(
+    prompts: Sequence[Sequence[int]],
+    accepted: Sequence[int],
+    block_size: int,
+    earlier: Sequence[Sequence[int]] = (),
+) -> tuple[int, int]:
     """(tokens vLLM took from the cache, block-aligned shared tokens) over a sequence of
-    prompts served one after another, each stored after it ran."""
-    shared = sum(block_aligned_shared(p, prompts[:i], block_size) for i, p in enumerate(prompts))
+    prompts served one after another, each stored after it ran (``earlier``: prompts
+    served before these)."""
+    seen = list(earlier)
+    shared = 0
+    for p in prompts:
+        shared += block_aligned_shared(p, seen, block_size)
+        seen.append(p)
     return sum(accepted), shared
 
 

@@ -93,7 +93,8 @@ def test_shared_prefixes_are_reused_block_by_block(cached, rounds_spec, which):
         rounds_spec["system_from"], rounds_spec["chat_from"]
     )
     prompts = [r["prompts"][0] for r in cached[sl]]
-    got, shared = reuse_report(prompts, accepted(cached)[sl], BLOCK)
+    earlier = [r["prompts"][0] for r in cached[: sl.start]]
+    got, shared = reuse_report(prompts, accepted(cached)[sl], BLOCK, earlier)
     assert shared > 0 and got >= 0.95 * shared, (got, shared)
     assert got <= shared
     # block hits really happened (a prefix shared inside a chunk, the tails)
@@ -107,5 +108,5 @@ def test_chat_reuses_every_earlier_turn(cached, rounds_spec):
     prompts = [r["prompts"][0] for r in turns]
     for earlier, later in zip(prompts, prompts[1:]):
         assert later[: len(earlier)] == earlier
-    got, shared = reuse_report(prompts, accepted(cached)[n:], BLOCK)
+    got, shared = reuse_report(prompts, accepted(cached)[n:], BLOCK, [r["prompts"][0] for r in cached[:n]])
     assert shared > 0 and got >= 0.95 * shared, (got, shared)
