@@ -27,6 +27,13 @@ def _tokens(rng: np.random.Generator, n: int) -> list[int]:
     return [int(t) for t in rng.integers(10, 30000, n)]
 
 
+def _setup(seed: int, layout: str, num_blocks: int, *, kv_seed: int):
+    """(rng, spec, engine with block size BLOCK, random paged KV) of one test."""
+    spec = KVSpec(layout=layout, num_blocks=num_blocks, block_size=BLOCK)
+    engine = make_engine(spec, _cfg(), block_size=BLOCK)
+    return np.random.default_rng(seed), spec, engine, random_kv_caches(spec, seed=kv_seed)
+
+
 def stored_length(n: int, chunk: int = CHUNK, block: int = BLOCK) -> int:
     """What a store of ``n`` tokens keeps: whole chunks, then the tail cut to whole blocks."""
     return n - (n % chunk) % block
@@ -89,10 +96,7 @@ def test_shared_prefix_inside_a_chunk_is_reused_bit_exact(layout):
 
 def test_multi_turn_chat_reuses_every_stored_block():
     """Each turn extends the previous prompt: the whole block-aligned previous prompt is reused."""
-    rng = np.random.default_rng(2)
-    spec = KVSpec(layout="vllm_cpu", num_blocks=200, block_size=BLOCK)
-    engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    kv = random_kv_caches(spec, seed=4)
+    rng, spec, engine, kv = _setup(2, "vllm_cpu", 200, kv_seed=4)
     prompt: list[int] = _tokens(rng, 21)
     stored = 0
     for turn in range(6):
@@ -146,10 +150,7 @@ def test_lookup_and_retrieve_match_the_shared_blocks(n_a, shared_frac, extra_b, 
 def test_gone_entry_is_a_miss_not_wrong_kv():
     """When the entry a block prefix points at is removed, lookup and retrieve fall back
     to the whole chunks (nothing stale is written)."""
-    rng = np.random.default_rng(3)
-    spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
-    engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    kv = random_kv_caches(spec, seed=8)
+    rng, spec, engine, kv = _setup(3, "flash_attn", 40, kv_seed=8)
     a = _tokens(rng, 3 * CHUNK)
     engine.store(a, kvcaches=kv, slot_mapping=random_slot_mapping(spec, len(a), seed=9))
     b = a[: CHUNK + 3 * BLOCK] + _tokens(rng, 20)
@@ -164,10 +165,7 @@ def test_gone_entry_is_a_miss_not_wrong_kv():
 
 
 def test_salted_requests_never_share_blocks():
-    rng = np.random.default_rng(4)
-    spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
-    engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    kv = random_kv_caches(spec, seed=11)
+    rng, spec, engine, kv = _setup(4, "flash_attn", 40, kv_seed=11)
     a = _tokens(rng, 2 * CHUNK)
     engine.store(a, kvcaches=kv, slot_mapping=random_slot_mapping(spec, len(a)), cache_salt="tenant-a")
     b = a[: CHUNK + BLOCK] + _tokens(rng, 9)
@@ -195,10 +193,7 @@ def test_whole_chunks_only_when_off(how):
 
 
 def test_repeated_lookup_reuses_block_hashes():
-    rng = np.random.default_rng(6)
-    spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
-    engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    kv = random_kv_caches(spec, seed=13)
+    rng, spec, engine, kv = _setup(6, "flash_attn", 40, kv_seed=13)
     a = _tokens(rng, 2 * CHUNK)
     engine.store(a, kvcaches=kv, slot_mapping=random_slot_mapping(spec, len(a)))
     b = a[: CHUNK + BLOCK] + _tokens(rng, 30)
@@ -237,10 +232,7 @@ def test_metadata_block_size_is_validated(bad):
 def test_gone_longest_match_falls_back_to_a_shorter_one():
     """Two entries share 2 blocks of chunk 1; the one sharing 3 blocks with B is removed:
     B then reuses 2 blocks from the other, bit-exact."""
-    rng = np.random.default_rng(7)
-    spec = KVSpec(layout="vllm_cpu", num_blocks=60, block_size=BLOCK)
-    engine = make_engine(spec, _cfg(), block_size=BLOCK)
-    kv = random_kv_caches(spec, seed=14)
+    rng, spec, engine, kv = _setup(7, "vllm_cpu", 60, kv_seed=14)
     a = _tokens(rng, 2 * CHUNK)
     a2 = a[: CHUNK + 2 * BLOCK] + _tokens(rng, CHUNK - 2 * BLOCK)
     slots_a = random_slot_mapping(spec, len(a), seed=15)
