@@ -23,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -33,26 +34,11 @@ static const uint64_t B2_IV[8] = {
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL,
 };
 
-static const uint8_t B2_SIGMA[12][16] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
-    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
-    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
-    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
-    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
-    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
-    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
-    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
-    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
-    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
-};
-
 static inline uint64_t rotr64(uint64_t x, int n) { return (x >> n) | (x << (64 - n)); }
 
 static inline uint64_t load64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    uint64_t v; /* little-endian hosts only (checked at import) */
+    memcpy(&v, p, 8);
     return v;
 }
 
@@ -77,20 +63,31 @@ static void b2_compress(uint64_t h[8], const uint8_t block[128], uint64_t counte
     }
     v[12] ^= counter; /* inputs here are far below 2^64 bytes: the high counter word stays 0 */
     if (last) v[14] = ~v[14];
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC unroll 12
-#endif
-    for (int r = 0; r < 12; ++r) {
-        const uint8_t *s = B2_SIGMA[r]; /* fully unrolled: constant message indices */
-        B2_G(0, 4, 8, 12, m[s[0]], m[s[1]]);
-        B2_G(1, 5, 9, 13, m[s[2]], m[s[3]]);
-        B2_G(2, 6, 10, 14, m[s[4]], m[s[5]]);
-        B2_G(3, 7, 11, 15, m[s[6]], m[s[7]]);
-        B2_G(0, 5, 10, 15, m[s[8]], m[s[9]]);
-        B2_G(1, 6, 11, 12, m[s[10]], m[s[11]]);
-        B2_G(2, 7, 8, 13, m[s[12]], m[s[13]]);
-        B2_G(3, 4, 9, 14, m[s[14]], m[s[15]]);
-    }
+    /* One macro per round with constant message indices (no table reads at run time). */
+#define B2_ROUND(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15) \
+    do {                                                                           \
+        B2_G(0, 4, 8, 12, m[s0], m[s1]);                                            \
+        B2_G(1, 5, 9, 13, m[s2], m[s3]);                                            \
+        B2_G(2, 6, 10, 14, m[s4], m[s5]);                                           \
+        B2_G(3, 7, 11, 15, m[s6], m[s7]);                                           \
+        B2_G(0, 5, 10, 15, m[s8], m[s9]);                                           \
+        B2_G(1, 6, 11, 12, m[s10], m[s11]);                                         \
+        B2_G(2, 7, 8, 13, m[s12], m[s13]);                                          \
+        B2_G(3, 4, 9, 14, m[s14], m[s15]);                                          \
+    } while (0)
+    B2_ROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    B2_ROUND(14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3);
+    B2_ROUND(11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4);
+    B2_ROUND(7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8);
+    B2_ROUND(9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13);
+    B2_ROUND(2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9);
+    B2_ROUND(12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11);
+    B2_ROUND(13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10);
+    B2_ROUND(6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5);
+    B2_ROUND(10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0);
+    B2_ROUND(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    B2_ROUND(14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3);
+#undef B2_ROUND
     for (int i = 0; i < 8; ++i) h[i] ^= v[i] ^ v[i + 8];
 }
 
@@ -113,14 +110,6 @@ static void b2_128(const uint8_t *data, size_t len, uint8_t out[16]) {
 
 /* ------------------------------------------------------------------ token reading */
 
-static inline void store_le32(uint8_t *p, int32_t v) {
-    uint32_t u = (uint32_t)v;
-    p[0] = (uint8_t)u;
-    p[1] = (uint8_t)(u >> 8);
-    p[2] = (uint8_t)(u >> 16);
-    p[3] = (uint8_t)(u >> 24);
-}
-
 /* Token items[i] as int32 into *out; 0 = declined (not an exact int or out of range). */
 static inline int read_token(PyObject *item, int32_t *out) {
     if (!PyLong_CheckExact(item)) return 0; /* bool, numpy scalars, subclasses: Python path */
@@ -134,9 +123,8 @@ static inline int read_token(PyObject *item, int32_t *out) {
     {
         /* CPython 3.11 layout: a size of -1/0/1 holds one 30-bit digit (|v| < 2^30). */
         Py_ssize_t size = Py_SIZE(item);
-        if (size >= -1 && size <= 1) {
-            int32_t d = size == 0 ? 0 : (int32_t)((PyLongObject *)item)->ob_digit[0];
-            *out = size < 0 ? -d : d;
+        if ((size_t)(size + 1) <= 2) { /* every int has one digit allocated; size 0 ignores it */
+            *out = (int32_t)size * (int32_t)((PyLongObject *)item)->ob_digit[0];
             return 1;
         }
     }
@@ -210,7 +198,7 @@ static PyObject *hash_chunks(PyObject *self, PyObject *args) {
                     declined = 1;
                     break;
                 }
-                store_le32(dst + 4 * i, v);
+                memcpy(dst + 4 * i, &v, 4); /* little-endian hosts only (checked at import) */
             }
         } else {
             memcpy(dst, raw + 4 * start, (size_t)(4 * len)); /* little-endian hosts only (checked at import) */
@@ -278,24 +266,7 @@ static PyObject *make_keys(PyObject *self, PyObject *args) {
             PyObject *descr = PyTuple_GET_ITEM(pair, 0);
             if (Py_TYPE(descr)->tp_descr_set(descr, obj, PyTuple_GET_ITEM(pair, 1)) != 0) goto fail;
         }
-        uint64_t lo = 0, hi = 0;
-        for (int b = 7; b >= 0; --b) {
-            lo = (lo << 8) | d[16 * i + b];
-            hi = (hi << 8) | d[16 * i + 8 + b];
-        }
-        PyObject *h;
-        if (hi == 0) {
-            h = PyLong_FromUnsignedLongLong(lo);
-        } else {
-            PyObject *ph = PyLong_FromUnsignedLongLong(hi), *pl = PyLong_FromUnsignedLongLong(lo);
-            PyObject *sh = PyLong_FromLong(64);
-            PyObject *shifted = (ph && sh) ? PyNumber_Lshift(ph, sh) : NULL;
-            h = (shifted && pl) ? PyNumber_Or(shifted, pl) : NULL;
-            Py_XDECREF(ph);
-            Py_XDECREF(pl);
-            Py_XDECREF(sh);
-            Py_XDECREF(shifted);
-        }
+        PyObject *h = _PyLong_FromByteArray(d + 16 * i, 16, 1, 0); /* little-endian unsigned */
         if (h == NULL) goto fail;
         int rc = hset(hash_field, obj, h);
         Py_DECREF(h);
@@ -309,9 +280,191 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ key hash / equality
+ *
+ * KeyBase: a base class without state whose __hash__ and __eq__ run in C, so that dict and
+ * set probes with keys never call Python code. A key class registers which of its slots
+ * equality compares and which the hash folds in (register_key_type); a subclass that is not
+ * registered itself uses its nearest registered ancestor's fields (as Python methods
+ * inherited from that ancestor would). Equality needs the same class on both sides
+ * (NotImplemented otherwise). The hash is CPython's tuple hash of the hashed fields, i.e.
+ * hash(key) == hash((field, ...)): the value the pure-Python keys compute. */
+
+#define KEY_MAX_TYPES 16
+#define KEY_MAX_FIELDS 8
+
+typedef struct {
+    PyTypeObject *type; /* strong reference */
+    int n_eq, n_hash;
+    Py_ssize_t eq_off[KEY_MAX_FIELDS];
+    Py_ssize_t hash_off[KEY_MAX_FIELDS];
+} KeySpec;
+
+static KeySpec key_specs[KEY_MAX_TYPES];
+static int key_nspecs;
+
+static const KeySpec *key_spec_of(PyTypeObject *t) {
+    for (; t != NULL; t = t->tp_base)
+        for (int i = 0; i < key_nspecs; ++i)
+            if (key_specs[i].type == t) return &key_specs[i];
+    return NULL;
+}
+
+static inline PyObject *key_field(PyObject *self, Py_ssize_t off) {
+    PyObject *v = *(PyObject **)((char *)self + off);
+    if (v == NULL) PyErr_SetString(PyExc_AttributeError, "cache key field is not set");
+    return v;
+}
+
+#if SIZEOF_PY_UHASH_T > 4
+#define KH_PRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define KH_PRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define KH_PRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define KH_ROTATE(x) ((x << 31) | (x >> 33))
+#else
+#define KH_PRIME_1 ((Py_uhash_t)2654435761UL)
+#define KH_PRIME_2 ((Py_uhash_t)2246822519UL)
+#define KH_PRIME_5 ((Py_uhash_t)374761393UL)
+#define KH_ROTATE(x) ((x << 13) | (x >> 19))
+#endif
+
+static Py_hash_t key_hash(PyObject *self) {
+    const KeySpec *spec = key_spec_of(Py_TYPE(self));
+    if (spec == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s: key class not registered with lmcache._keyhash", Py_TYPE(self)->tp_name);
+        return -1;
+    }
+    Py_uhash_t acc = KH_PRIME_5;
+    for (int i = 0; i < spec->n_hash; ++i) {
+        PyObject *v = key_field(self, spec->hash_off[i]);
+        if (v == NULL) return -1;
+        Py_hash_t lane = PyObject_Hash(v);
+        if (lane == -1) return -1;
+        acc += (Py_uhash_t)lane * KH_PRIME_2;
+        acc = KH_ROTATE(acc);
+        acc *= KH_PRIME_1;
+    }
+    acc += (Py_uhash_t)spec->n_hash ^ (KH_PRIME_5 ^ 3527539UL);
+    if (acc == (Py_uhash_t)-1) return 1546275796;
+    return (Py_hash_t)acc;
+}
+
+static PyObject *key_richcompare(PyObject *a, PyObject *b, int op) {
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(a) != Py_TYPE(b)) Py_RETURN_NOTIMPLEMENTED;
+    int same = 1;
+    if (a != b) {
+        const KeySpec *spec = key_spec_of(Py_TYPE(a));
+        if (spec == NULL) Py_RETURN_NOTIMPLEMENTED;
+        for (int i = 0; i < spec->n_eq && same; ++i) {
+            PyObject *x = key_field(a, spec->eq_off[i]);
+            PyObject *y = x ? key_field(b, spec->eq_off[i]) : NULL;
+            if (y == NULL) return NULL;
+            int r = PyObject_RichCompareBool(x, y, Py_EQ);
+            if (r < 0) return NULL;
+            same = r;
+        }
+    }
+    return PyBool_FromLong(op == Py_EQ ? same : !same);
+}
+
+static PyType_Slot key_base_slots[] = {
+    {Py_tp_doc, "Stateless base of the cache key classes: __hash__ and __eq__ in C (see register_key_type)."},
+    {Py_tp_hash, key_hash},
+    {Py_tp_richcompare, key_richcompare},
+    {0, NULL},
+};
+
+static PyType_Spec key_base_spec = {"lmcache._keyhash.KeyBase", sizeof(PyObject), 0,
+                                    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, key_base_slots};
+
+/* Offsets of the object slots named by member descriptors `descrs` of `cls`; -1 on error. */
+static int key_offsets(PyTypeObject *cls, PyObject *descrs, Py_ssize_t *out, const char *what) {
+    if (!PyTuple_Check(descrs) || PyTuple_GET_SIZE(descrs) < 1 || PyTuple_GET_SIZE(descrs) > KEY_MAX_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "register_key_type: %s must be a tuple of 1 to %d slot descriptors", what,
+                     KEY_MAX_FIELDS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(descrs); ++i) {
+        PyObject *d = PyTuple_GET_ITEM(descrs, i);
+        if (!PyObject_TypeCheck(d, &PyMemberDescr_Type)) {
+            PyErr_Format(PyExc_ValueError, "register_key_type: %s[%zd] is not a slot descriptor", what, i);
+            return -1;
+        }
+        PyMemberDescrObject *md = (PyMemberDescrObject *)d;
+        if (md->d_member->type != T_OBJECT_EX || !PyType_IsSubtype(cls, PyDescr_TYPE(d))) {
+            PyErr_Format(PyExc_ValueError, "register_key_type: %s[%zd] is not an object slot of %s", what, i,
+                         cls->tp_name);
+            return -1;
+        }
+        out[i] = md->d_member->offset;
+    }
+    return (int)PyTuple_GET_SIZE(descrs);
+}
+
+static PyObject *register_key_type(PyObject *self, PyObject *args) {
+    PyTypeObject *cls;
+    PyObject *eq, *hashed;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyType_Type, &cls, &eq, &hashed)) return NULL;
+    PyObject *base = PyObject_GetAttrString(self, "KeyBase");
+    if (base == NULL) return NULL;
+    int sub = PyType_IsSubtype(cls, (PyTypeObject *)base);
+    Py_DECREF(base);
+    if (!sub) {
+        PyErr_Format(PyExc_TypeError, "register_key_type: %s does not derive from KeyBase", cls->tp_name);
+        return NULL;
+    }
+    KeySpec spec;
+    memset(&spec, 0, sizeof spec);
+    if ((spec.n_eq = key_offsets(cls, eq, spec.eq_off, "eq_fields")) < 0) return NULL;
+    if ((spec.n_hash = key_offsets(cls, hashed, spec.hash_off, "hash_fields")) < 0) return NULL;
+    int slot = key_nspecs;
+    for (int i = 0; i < key_nspecs; ++i)
+        if (key_specs[i].type == cls) slot = i;
+    if (slot == KEY_MAX_TYPES) {
+        PyErr_SetString(PyExc_RuntimeError, "register_key_type: too many key classes");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    spec.type = cls;
+    if (slot < key_nspecs) Py_DECREF(key_specs[slot].type);
+    key_specs[slot] = spec;
+    if (slot == key_nspecs) ++key_nspecs;
+    Py_RETURN_NONE;
+}
+
+/* Number of leading items of a list/tuple `keys` (from index `start` on) that are keys of
+ * dict `mapping`, plus start: the index of the first absent one. */
+static PyObject *prefix_in(PyObject *self, PyObject *args) {
+    PyObject *mapping, *keys;
+    Py_ssize_t start = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O!O|n", &PyDict_Type, &mapping, &keys, &start)) return NULL;
+    if (!PyList_CheckExact(keys) && !PyTuple_CheckExact(keys)) {
+        PyErr_SetString(PyExc_TypeError, "prefix_in: keys must be a list or a tuple");
+        return NULL;
+    }
+    if (start < 0) start = 0;
+    if (start > PySequence_Fast_GET_SIZE(keys)) start = PySequence_Fast_GET_SIZE(keys);
+    Py_ssize_t i = start;
+    /* a list is re-read every step: a __hash__/__eq__ of a foreign key may run Python code */
+    while (i < PySequence_Fast_GET_SIZE(keys)) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        Py_INCREF(key);
+        int r = PyDict_Contains(mapping, key);
+        Py_DECREF(key);
+        if (r < 0) return NULL;
+        if (!r) break;
+        ++i;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"hash_chunks", hash_chunks, METH_VARARGS, "(tokens, seed, chunk_size, partial) -> (n, digests) or None"},
     {"make_keys", make_keys, METH_VARARGS, "(key_type, fields, hash_field, digests, first) -> list of keys"},
+    {"register_key_type", register_key_type, METH_VARARGS,
+     "(cls, eq_fields, hash_fields): slot descriptors compared by KeyBase.__eq__ / folded in by KeyBase.__hash__"},
+    {"prefix_in", prefix_in, METH_VARARGS, "(dict, keys, start=0) -> index of the first key (from start) not in dict"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -324,5 +477,13 @@ PyMODINIT_FUNC PyInit__keyhash(void) {
         PyErr_SetString(PyExc_ImportError, "lmcache._keyhash: big-endian host (the Python path is used)");
         return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    PyObject *base = PyType_FromSpec(&key_base_spec);
+    if (base == NULL || PyModule_AddObject(mod, "KeyBase", base) != 0) {
+        Py_XDECREF(base);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

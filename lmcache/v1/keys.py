@@ -6,11 +6,19 @@ file name / remote key. :class:`LayerCacheEngineKey` adds the layer index used b
 layerwise pipeline.
 
 Also importable from :mod:`lmcache.utils` (LMCache 0.5.6's module path).
+
+Hashing and equality: every dict and set of the cache (the tiers' indexes, the eviction
+policies) probes with keys, a 32k-token lookup 128 times. When the optional native module
+``lmcache._keyhash`` is built, the key classes derive from its ``KeyBase``, whose
+``__hash__``/``__eq__`` run in C on the same fields as the pure-Python methods below (and
+give the same hash values), so a probe runs no Python code. ``LMCACHE_NATIVE_HASH=0`` at
+import time keeps the Python methods.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +27,14 @@ from urllib.parse import quote, unquote
 import torch
 
 _SEP = "@"
+
+try:  # optional native module (setup.py): C-level __hash__/__eq__ for the key classes
+    from lmcache import _keyhash as _native
+except ImportError:  # pragma: no cover - depends on the build
+    _native = None
+NATIVE_KEY_OPS = _native is not None and os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+"""True when the key classes hash and compare in C (``lmcache._keyhash.KeyBase``)."""
+_KeyBase: type = _native.KeyBase if NATIVE_KEY_OPS else object
 
 
 def _key_dtypes() -> dict[torch.dtype, str]:
@@ -74,7 +90,7 @@ def _request_configs(value: object) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class CacheEngineKey:
+class CacheEngineKey(_KeyBase):
     """Key of one KV chunk (all layers) of one worker.
 
     ``chunk_hash`` is the chained 128-bit hash of the chunk's tokens (see
@@ -106,13 +122,16 @@ class CacheEngineKey:
 
     # Keys are looked up in dicts on every store/retrieve/lookup; these compare the
     # 128-bit chunk hash first instead of building field tuples as dataclass eq does.
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self is other or _same_chunk(self, other)  # type: ignore[arg-type]
+    # With the native module, KeyBase does the same in C (registered below).
+    if not NATIVE_KEY_OPS:
 
-    def __hash__(self) -> int:
-        return hash((self.chunk_hash, self.worker_id))
+        def __eq__(self, other: object) -> bool:
+            if other.__class__ is not self.__class__:
+                return NotImplemented
+            return self is other or _same_chunk(self, other)  # type: ignore[arg-type]
+
+        def __hash__(self) -> int:
+            return hash((self.chunk_hash, self.worker_id))
 
     def to_string(self) -> str:
         """Stable text form: ``model@world@worker@hash@dtype[@k=v&k=v]``."""
@@ -237,13 +256,15 @@ class LayerCacheEngineKey(CacheEngineKey):
 
     layer_id: int = 0
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self is other or (self.layer_id == other.layer_id and _same_chunk(self, other))  # type: ignore[attr-defined]
+    if not NATIVE_KEY_OPS:
 
-    def __hash__(self) -> int:
-        return hash((self.chunk_hash, self.worker_id, self.layer_id))
+        def __eq__(self, other: object) -> bool:
+            if other.__class__ is not self.__class__:
+                return NotImplemented
+            return self is other or (self.layer_id == other.layer_id and _same_chunk(self, other))  # type: ignore[attr-defined]
+
+        def __hash__(self) -> int:
+            return hash((self.chunk_hash, self.worker_id, self.layer_id))
 
     def to_string(self) -> str:
         return f"{CacheEngineKey.to_string(self)}{_SEP}L{self.layer_id}"
@@ -285,6 +306,21 @@ def _same_chunk(a: CacheEngineKey, b: CacheEngineKey) -> bool:
         and a.model_name == b.model_name
         and a.dtype == b.dtype
         and a.request_configs == b.request_configs
+    )
+
+
+_CHUNK_FIELDS = ("chunk_hash", "worker_id", "world_size", "model_name", "dtype", "request_configs")
+if NATIVE_KEY_OPS:
+    # the fields _same_chunk compares and the hash tuples above, in the same order
+    _native.register_key_type(
+        CacheEngineKey,
+        tuple(getattr(CacheEngineKey, f) for f in _CHUNK_FIELDS),
+        (CacheEngineKey.chunk_hash, CacheEngineKey.worker_id),
+    )
+    _native.register_key_type(
+        LayerCacheEngineKey,
+        tuple(getattr(LayerCacheEngineKey, f) for f in ("layer_id", *_CHUNK_FIELDS)),
+        (LayerCacheEngineKey.chunk_hash, LayerCacheEngineKey.worker_id, LayerCacheEngineKey.layer_id),
     )
 
 

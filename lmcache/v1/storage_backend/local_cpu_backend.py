@@ -90,6 +90,9 @@ class LocalCPUBackend(StorageBackend):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+        if not pin:
+            with self._lock:
+                return self._index.prefix(keys)
         n = 0
         with self._lock:
             for key in keys:

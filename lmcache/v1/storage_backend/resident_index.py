@@ -37,6 +37,11 @@ import torch
 from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 
+try:  # optional native module (setup.py): the prefix probe as one C loop
+    from lmcache._keyhash import prefix_in as _native_prefix_in
+except ImportError:  # pragma: no cover - depends on the build
+    _native_prefix_in = None
+
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
@@ -101,11 +106,16 @@ class ResidentIndex(Generic[K, V]):
         slot = self._slots.get(key)
         return 0 if slot is None else slot.pins
 
-    def prefix(self, keys: Iterable[K]) -> int:
-        """Number of leading ``keys`` present."""
+    def prefix(self, keys: Iterable[K], start: int = 0) -> int:
+        """Number of leading ``keys`` present (``keys[:start]`` are taken as present
+        without a probe: the caller knows). For a list or tuple the probe is one native
+        loop when ``lmcache._keyhash`` is built (no Python code per key with the native
+        key classes)."""
+        if _native_prefix_in is not None and keys.__class__ in (list, tuple):
+            return _native_prefix_in(self._slots, keys, start)
         n = 0
-        for key in keys:
-            if key not in self._slots:
+        for i, key in enumerate(keys):
+            if i >= start and key not in self._slots:
                 break
             n += 1
         return n
