@@ -748,3 +748,25 @@ def test_entries_written_by_another_tier_after_start_are_found(tiers):
     # a file holding another key under this key's name is not adopted
     os.replace(entry_path(writer, key(8)), entry_path(writer, key(9)))
     assert not tiers.disk().contains(key(9))
+
+
+def test_batched_contains_is_the_per_key_prefix(tiers):
+    """Indexed, pending and another writer's entries count; the first absent key ends it."""
+    reader = tiers.disk()
+    writer = tiers.disk()
+    for i in (0, 1):
+        tiers.put(reader, i)  # pending or indexed in the reader
+    assert reader.flush(10)
+    tiers.put(reader, 2)  # maybe still pending
+    tiers.put(writer, 3)  # only on disk for the reader (found through the file)
+    assert writer.flush(10)
+    tiers.put(reader, 5)
+    keys = [key(i) for i in range(7)]
+    assert reader.batched_contains(keys) == 4  # key 3 adopted from the writer's file here
+    assert reader.stats.snapshot()["adopted"] == 1
+    assert next((i for i, k in enumerate(keys) if not reader.contains(k)), len(keys)) == 4
+    assert reader.batched_contains(tuple(keys[:4])) == 4 and reader.batched_contains(iter(keys[5:])) == 1
+    assert reader.batched_contains([]) == 0
+    assert reader.batched_contains(keys, pin=True) == 4
+    reader.close()
+    assert reader.batched_contains(keys) == 0

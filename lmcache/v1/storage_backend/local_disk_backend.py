@@ -326,6 +326,29 @@ class LocalDiskBackend(StorageBackend):
             return False
         return self.contains(key, pin) if pin else True
 
+    def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
+        """Leading ``keys`` present: indexed or pending runs in one lock hold (the index
+        probe is one native loop when built), a key in neither is looked for on disk
+        (:meth:`_discover`, without the lock) as :meth:`contains` does. ``pin`` takes the
+        per-key path."""
+        if pin:
+            return super().batched_contains(keys, pin)
+        keys = keys if keys.__class__ in (list, tuple) else list(keys)
+        n = 0
+        while n < len(keys):
+            with self._lock:
+                if self._closed or self._disabled:
+                    return n
+                while n < len(keys):
+                    n = self._index.prefix(keys, n)
+                    if n == len(keys) or keys[n] not in self._pending:
+                        break
+                    n += 1
+            if n == len(keys) or not self._discover(keys[n]):
+                return n
+            n += 1
+        return n
+
     def _discover(self, key: CacheEngineKey) -> bool:
         """Index an entry file of ``key`` that another process wrote after our scan.
 
