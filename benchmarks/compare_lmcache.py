@@ -11,8 +11,10 @@ import its copy code). The sdist's version comes from setuptools-scm, so the bui
 with ``SETUPTOOLS_SCM_PRETEND_VERSION=0.5.6``, ``--no-build-isolation`` and the build
 requirements (grpcio/grpcio-tools 1.78.0, setuptools-scm, ninja) installed first.
 
-The run starts two processes, one after the other: this interpreter (``--side ours``) and
-the LMCache venv's (``--side lmcache``). Each measures, on CPU tensors, with torch threads 1:
+The run starts processes one after the other: this interpreter (``--side ours``) and the
+LMCache venv's (``--side lmcache``), one each for the copies and lookups, then one per side
+and disk round, alternating ours / LMCache, so that both see the same shared disk over time.
+Each measures, on CPU tensors, with torch threads 1:
 
 * paged store / retrieve of a Llama-3-8B-like KV (32 layers, 8 KV heads, head 128, bf16,
   vLLM flash-attn layout, block size 16, chunks of 256 tokens) through each project's
@@ -23,7 +25,7 @@ the LMCache venv's (``--side lmcache``). Each measures, on CPU tensors, with tor
 * lookup of an 8k and a 32k-token prompt given as a Python list, everything cached
   (``engine.lookup`` on both sides);
 * the local-disk tier on the same bytes (``--disk-mib`` of 32 MiB KV_2LTD chunks, fresh keys
-  each round, ``--disk-rounds`` rounds, files under ``--dir``):
+  each round, ``--disk-rounds`` rounds, files under ``--dir``, removed at the end):
   - store-to-durable: ours ``submit_put`` of every chunk then ``flush()`` (which fdatasyncs
     every entry file and the directory); LMCache ``batched_submit_put_task`` until its
     completion callback fired for every chunk ("written": its own notion of done, the data
@@ -225,10 +227,8 @@ def disk_chunks(args: argparse.Namespace) -> int:
 
 
 def summarize(name: str, seconds: list[float], nbytes: int, out: dict[str, Any]) -> None:
-    """Best and median of ``seconds`` as GB/s under ``disk_<name>``."""
-    if seconds:
-        out[f"disk_{name}_best_gbps"] = nbytes / min(seconds) / 1e9
-        out[f"disk_{name}_median_gbps"] = nbytes / statistics.median(seconds) / 1e9
+    """The round times under ``disk_<name>_s`` (the parent turns them into GB/s)."""
+    out[f"disk_{name}_s"] = list(seconds)
 
 
 def lookup_tokens(n: int) -> list[int]:
@@ -564,7 +564,7 @@ def main() -> None:
     ap.add_argument("--lookup-tokens", default="8192,32768", help="comma-separated prompt lengths ('' skips)")
     ap.add_argument("--reps", type=int, default=3, help="paged copies: best of this many after a warm-up")
     ap.add_argument("--disk-mib", type=int, default=512, help="disk tier data per round (0 skips)")
-    ap.add_argument("--disk-rounds", type=int, default=3)
+    ap.add_argument("--disk-rounds", type=int, default=3, help="disk rounds, alternating the sides (one process each)")
     ap.add_argument("--dir", default=None, help="directory for the disk tiers (default: a temp dir under /tmp)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per side")
     args = ap.parse_args()
@@ -584,13 +584,38 @@ def main() -> None:
         raise SystemExit(f"no LMCache venv at {args.venv}: run with --install first")
     common = ["--paged-tokens", ",".join(map(str, args.paged_tokens)),
               "--lookup-tokens", ",".join(map(str, args.lookup_tokens)), "--reps", str(args.reps),
-              "--disk-mib", str(args.disk_mib), "--disk-rounds", str(args.disk_rounds)]
+              "--disk-mib", str(args.disk_mib)]
     if args.dir:
         common += ["--dir", os.path.abspath(args.dir)]
     root = Path(__file__).resolve().parents[1]
-    ours = run_side("ours", sys.executable, dict(os.environ, PYTHONPATH=str(root)), str(root), common, args.timeout)
-    theirs = run_side("lmcache", str(lmc_py), {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "/",
-                      common, args.timeout)
+    runs = {
+        "ours": (sys.executable, dict(os.environ, PYTHONPATH=str(root)), str(root)),
+        "lmcache": (str(lmc_py), {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "/"),
+    }
+    results: dict[str, dict[str, Any]] = {"ours": {}, "lmcache": {}}
+    # copies and lookups: one process per side; the disk: one process per side and round,
+    # alternating, so that both sides see the same (shared, noisy) disk over time
+    plan = [(side, [*common, "--disk-mib", "0"]) for side in runs] if (args.paged_tokens or args.lookup_tokens) else []
+    disk_args = [*common, "--paged-tokens", "", "--lookup-tokens", "", "--disk-rounds", "1"]
+    plan += [(side, disk_args) for _ in range(args.disk_rounds if args.disk_mib > 0 else 0) for side in runs]
+    for side, argv in plan:
+        got = run_side(side, *runs[side], argv, args.timeout)
+        merged = results[side]
+        for key, value in got.items():
+            if key.endswith("_s") and isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            elif key == "error":
+                merged["error"] = f"{merged['error']}; {value}" if "error" in merged else value
+            else:
+                merged[key] = value
+    for merged in results.values():
+        for key in [k for k in merged if k.startswith("disk_") and k.endswith("_s")]:
+            secs = merged.pop(key)
+            name = key[len("disk_") : -len("_s")]
+            if secs:
+                merged[f"disk_{name}_best_gbps"] = merged["disk_bytes"] / min(secs) / 1e9
+                merged[f"disk_{name}_median_gbps"] = merged["disk_bytes"] / statistics.median(secs) / 1e9
+    ours, theirs = results["ours"], results["lmcache"]
     print(f"LMCache {theirs.get('version', '?')} vs ours, CPU tensors, torch threads 1 (ratio = ours / LMCache)")
     for side, res in (("ours", ours), ("LMCache", theirs)):
         if "error" in res:
