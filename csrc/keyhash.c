@@ -17,6 +17,12 @@
  *       value), ...) shared by every key, hash_field the descriptor that receives the
  *       digest as a little-endian unsigned int. The caller passes already-normalised
  *       values (the same the dataclass __init__ would store).
+ *   KeyBase, register_key_type(cls, eq_fields, hash_fields)
+ *       Base class of lmcache/v1/keys.py's key classes: __hash__ and __eq__ in C over the
+ *       registered slots (see the section below).
+ *   prefix_in(dict, keys, start=0) -> int
+ *       Index of the first of keys[start:] that is not in dict (len(keys) if none): the
+ *       resident indexes' prefix probe as one C loop.
  *
  * Thread: holds the GIL (it reads Python objects). Memory: digests is a new bytes object.
  * BLAKE2b follows RFC 7693 (unkeyed, 16-byte output).
@@ -338,7 +344,9 @@ static Py_hash_t key_hash(PyObject *self) {
     for (int i = 0; i < spec->n_hash; ++i) {
         PyObject *v = key_field(self, spec->hash_off[i]);
         if (v == NULL) return -1;
+        Py_INCREF(v);
         Py_hash_t lane = PyObject_Hash(v);
+        Py_DECREF(v);
         if (lane == -1) return -1;
         acc += (Py_uhash_t)lane * KH_PRIME_2;
         acc = KH_ROTATE(acc);
@@ -359,7 +367,11 @@ static PyObject *key_richcompare(PyObject *a, PyObject *b, int op) {
             PyObject *x = key_field(a, spec->eq_off[i]);
             PyObject *y = x ? key_field(b, spec->eq_off[i]) : NULL;
             if (y == NULL) return NULL;
+            Py_INCREF(x); /* held across a comparison that may run Python code */
+            Py_INCREF(y);
             int r = PyObject_RichCompareBool(x, y, Py_EQ);
+            Py_DECREF(x);
+            Py_DECREF(y);
             if (r < 0) return NULL;
             same = r;
         }
