@@ -50,7 +50,13 @@ using u8 = unsigned char;
 constexpr size_t kNtMinBytes = 256;                   // shorter pieces use plain stores
 constexpr int64_t kNtAutoBytes = 8ll * 1024 * 1024;   // auto mode: NT stores from this call size
 constexpr int64_t kMinBytesPerThread = 4ll * 1024 * 1024;
-constexpr int64_t kPrefetchAhead = 32 * 1024;         // bytes of source prefetched ahead
+#ifndef LMC_PREFETCH_AHEAD
+#define LMC_PREFETCH_AHEAD (32 * 1024)
+#endif
+#ifndef LMC_PREFETCH_HINT
+#define LMC_PREFETCH_HINT 2
+#endif
+constexpr int64_t kPrefetchAhead = LMC_PREFETCH_AHEAD;  // bytes of source prefetched ahead
 constexpr int64_t kCopyStep = 2048;                   // dense copies let the prefetcher in this often
 constexpr int64_t kInlineRowBytes = 1024;             // rows up to this size are copied inline
 #ifndef LMC_DIRECT_TRANSPOSE_ROWS
@@ -120,7 +126,7 @@ class Prefetcher {
     end_ = reinterpret_cast<uintptr_t>(p + row_bytes_);
   }
   void next() {
-    __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, 0);  // NTA: read once
+    __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, LMC_PREFETCH_HINT);
     line_ += 64;
     if (line_ >= end_ && --rows_ > 0) start_row(row_ += stride_);
   }
@@ -395,9 +401,8 @@ void transpose_t(u8* d, int64_t dr, const u8* s, int64_t sr, int64_t rows, int64
 #ifdef LMC_X86
 // AVX2, 2-byte elements: a 16 x 8 tile -> 8 rows of 16 elements. Lane 0 of input register k
 // holds source row k, lane 1 source row k + 8; the 8x8 unpack network runs in both lanes at
-// once, so output register j is destination row j, one 32-byte store.
-template <bool NT>
-__attribute__((target("avx2"))) inline void tile16x8_b16_avx2(u8* d, int64_t dr, const u8* s, int64_t sr) {
+// once, so output register j is destination row j (32 bytes).
+__attribute__((target("avx2"))) inline void tile16x8_b16_regs(__m256i out[8], const u8* s, int64_t sr) {
   __m256i r[8];
   for (int k = 0; k < 8; ++k)
     r[k] = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(s + k * sr)), load16(s + (k + 8) * sr), 1);
@@ -409,25 +414,55 @@ __attribute__((target("avx2"))) inline void tile16x8_b16_avx2(u8* d, int64_t dr,
   const __m256i b2 = _mm256_unpacklo_epi32(a1, a3), b3 = _mm256_unpackhi_epi32(a1, a3);
   const __m256i b4 = _mm256_unpacklo_epi32(a4, a6), b5 = _mm256_unpackhi_epi32(a4, a6);
   const __m256i b6 = _mm256_unpacklo_epi32(a5, a7), b7 = _mm256_unpackhi_epi32(a5, a7);
-  const __m256i out[8] = {_mm256_unpacklo_epi64(b0, b4), _mm256_unpackhi_epi64(b0, b4),
-                          _mm256_unpacklo_epi64(b1, b5), _mm256_unpackhi_epi64(b1, b5),
-                          _mm256_unpacklo_epi64(b2, b6), _mm256_unpackhi_epi64(b2, b6),
-                          _mm256_unpacklo_epi64(b3, b7), _mm256_unpackhi_epi64(b3, b7)};
+  out[0] = _mm256_unpacklo_epi64(b0, b4), out[1] = _mm256_unpackhi_epi64(b0, b4);
+  out[2] = _mm256_unpacklo_epi64(b1, b5), out[3] = _mm256_unpackhi_epi64(b1, b5);
+  out[4] = _mm256_unpacklo_epi64(b2, b6), out[5] = _mm256_unpackhi_epi64(b2, b6);
+  out[6] = _mm256_unpacklo_epi64(b3, b7), out[7] = _mm256_unpackhi_epi64(b3, b7);
+}
+
+template <bool NT>
+__attribute__((target("avx2"))) inline void store32(u8* p, __m256i v) {
+  if constexpr (NT)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+template <bool NT>
+__attribute__((target("avx2"))) inline void tile16x8_b16_avx2(u8* d, int64_t dr, const u8* s, int64_t sr) {
+  __m256i out[8];
+  tile16x8_b16_regs(out, s, sr);
+  for (int j = 0; j < 8; ++j) store32<NT>(d + j * dr, out[j]);
+}
+
+// Two 16 x 8 tiles side by side (32 source rows): each destination row gets 64 contiguous
+// bytes written back to back, so a non-temporal store sequence fills whole lines and the
+// write-combining buffers never drain a partial one.
+template <bool NT>
+__attribute__((target("avx2"))) inline void tile32x8_b16_avx2(u8* d, int64_t dr, const u8* s, int64_t sr) {
+  __m256i lo[8], hi[8];
+  tile16x8_b16_regs(lo, s, sr);
+  tile16x8_b16_regs(hi, s + 16 * sr, sr);
   for (int j = 0; j < 8; ++j) {
-    if constexpr (NT)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d + j * dr), out[j]);
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j * dr), out[j]);
+    store32<NT>(d + j * dr, lo[j]);
+    store32<NT>(d + j * dr + 32, hi[j]);
   }
 }
 
 template <bool NT>
 __attribute__((target("avx2"))) void transpose_b16_avx2(u8* d, int64_t dr, const u8* s, int64_t sr, int64_t rows,
                                                          int64_t cols, Prefetcher& pf) {
-  const int64_t rows16 = rows / 16 * 16, rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  const int64_t rows32 = rows / 32 * 32, rows16 = rows / 16 * 16, rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
   for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
-    for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
-      tile16x8_b16_avx2<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
+    for (int64_t r0 = 0; r0 < rows32; r0 += 32) {
+      tile32x8_b16_avx2<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
+      pf.step();
+      pf.step();
+      pf.step();
+      pf.step();
+    }
+    if (rows16 > rows32) {
+      tile16x8_b16_avx2<NT>(d + c0 * dr + rows32 * 2, dr, s + rows32 * sr + c0 * 2, sr);
       pf.step();
       pf.step();
     }
