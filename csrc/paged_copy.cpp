@@ -57,7 +57,10 @@ constexpr int64_t kMinBytesPerThread = 4ll * 1024 * 1024;
 #define LMC_PREFETCH_HINT 2
 #endif
 constexpr int64_t kPrefetchAhead = LMC_PREFETCH_AHEAD;  // bytes of source prefetched ahead
-constexpr int64_t kCopyStep = 2048;                   // dense copies let the prefetcher in this often
+#ifndef LMC_COPY_STEP
+#define LMC_COPY_STEP 2048
+#endif
+constexpr int64_t kCopyStep = LMC_COPY_STEP;                   // dense copies let the prefetcher in this often
 constexpr int64_t kInlineRowBytes = 1024;             // rows up to this size are copied inline
 #ifndef LMC_DIRECT_TRANSPOSE_ROWS
 #define LMC_DIRECT_TRANSPOSE_ROWS 16
@@ -712,8 +715,8 @@ void aim(Prefetcher& pf, const LmcCopyArgs& a, const CompPlan& p, const Item& it
          int64_t steps) {
   const int64_t es = a.elem_size, hd = a.head_size;
   const int64_t width = p.kind == Kind::kContig ? a.num_heads * hd * es : hd * es;  // bytes per token
-  if (p.kind == Kind::kGeneric || (p.kind == Kind::kContig && a.direction == LMC_SCATTER))
-    pf.reset(nullptr, 0, 0, 0, 1);  // memory rows are read in order: the hardware keeps up
+  if (p.kind == Kind::kGeneric)
+    pf.reset(nullptr, 0, 0, 0, 1);
   else if (a.direction == LMC_SCATTER)
     pf.reset(x.mem, len, width, it.mem_row, steps);
   else if (p.kind == Kind::kTransposed)
