@@ -554,6 +554,7 @@ struct Job {
   std::vector<CompPlan> comps;
   std::vector<PieceRef> pieces;  // per run
   int64_t lookahead = 1;         // pieces
+  bool run_prefetch = false;     // prefetch whole memory rows one run ahead (see plan())
   int64_t scratch_bytes = 0;     // per thread (scatter of transposed components)
   std::vector<Run> runs;
   std::vector<int64_t> run_begin;  // [num_chunks + 1] into runs
@@ -589,6 +590,18 @@ void plan(Job& job) {
   const int64_t run_bytes = a.block_size * a.num_comps * a.num_heads * a.head_size * a.elem_size;
   const int64_t piece_bytes = std::max<int64_t>(1, run_bytes / static_cast<int64_t>(job.pieces.size()));
   job.lookahead = std::clamp<int64_t>(kPrefetchAhead / piece_bytes, 1, 64);
+#ifndef LMC_NO_RUN_PREFETCH
+  // A scatter whose components are all head-wise reads each memory row in head_size pieces
+  // (every piece a strip of `len` rows). Fetching those strips costs a DRAM page change per
+  // row; instead the next run's memory rows are prefetched whole and in order, one share per
+  // piece of this run, and the strips are then read from L2.
+  bool all_headwise = true;
+  for (const CompPlan& p : job.comps) all_headwise = all_headwise && p.headwise();
+  if (a.direction == LMC_SCATTER && all_headwise && a.num_heads > 1) {
+    job.run_prefetch = true;
+    job.lookahead = static_cast<int64_t>(job.pieces.size());
+  }
+#endif
   for (const CompPlan& p : job.comps)
     if (p.kind == Kind::kTransposed && a.direction == LMC_SCATTER && a.block_size > kDirectTransposeRows)
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
@@ -725,6 +738,16 @@ void aim(Prefetcher& pf, const LmcCopyArgs& a, const CompPlan& p, const Item& it
     pf.reset(x.page, len, width, p.token_stride * es, steps);
 }
 
+// Share `p` (of pieces.size()) of a run's memory rows, all components, whole rows, in order.
+void aim_run_share(Prefetcher& pf, const Job& job, const Item& it, const Run& run, int64_t p, int64_t steps) {
+  const LmcCopyArgs& a = *job.a;
+  const int64_t comps = a.num_comps, shares = static_cast<int64_t>(job.pieces.size()) / comps;
+  const int64_t c = p % comps, part = p / comps;
+  const int64_t r0 = run.len * part / shares, r1 = run.len * (part + 1) / shares;
+  pf.reset(it.mem_layer + (run.t + r0) * it.mem_row + c * it.mem_comp, r1 - r0, a.num_heads * a.head_size * a.elem_size,
+           it.mem_row, steps);
+}
+
 void copy_piece(const Ctx& ctx, const LmcCopyArgs& a, const CompPlan& p, const Item& it, const Piece& x, int64_t len,
                 Prefetcher& pf, u8* scratch, const Span& sspan) {
   const int64_t es = a.elem_size, hd = a.head_size, heads = a.num_heads, mt = it.mem_row;
@@ -804,7 +827,10 @@ void work(Job& job, int64_t begin, int64_t end) {
       const Run& arun = job.runs[ahead.ri];
       const PieceRef& aref = job.pieces[ahead.p];
       const CompPlan& ap = job.comps[aref.comp];
-      aim(pf, a, ap, ahead_it, locate(a, ap, aref, ahead_it, arun), arun.len, steps);
+      if (job.run_prefetch)
+        aim_run_share(pf, job, ahead_it, arun, ahead.p, steps);
+      else
+        aim(pf, a, ap, ahead_it, locate(a, ap, aref, ahead_it, arun), arun.len, steps);
     } else {
       pf.reset(nullptr, 0, 0, 0, 1);
     }
