@@ -263,6 +263,21 @@ def test_thread_split_matches(lib_path):
         check_both_directions(kernels(lib_path, threads=threads), spec, slots, starts, counts, "2ltd", seed=3)
 
 
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer", "mla"])
+def test_long_dense_runs_match(lib_path, layout):
+    """Dense runs over 8 KiB (copied as four interleaved streams) whose length is no multiple
+    of the stream slices, at odd and 32-byte aligned destinations; partial blocks."""
+    spec = KVSpec(num_layers=2, num_heads=3, head_size=40, num_blocks=8, block_size=128, dtype=torch.bfloat16,
+                  layout=layout)
+    for i, pattern in enumerate(("blocks", "offset", "random")):
+        gen = torch.Generator().manual_seed(20 + i)
+        slots = slot_mapping(spec, 2 * 128 + 37, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
+        starts, counts = chunking(2 * 128 + 37, gen)
+        for kind in ("2ltd", "strided"):
+            for nt in (native.NT_NEVER, native.NT_ALWAYS):
+                check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=i)
+
+
 def test_llama_shape_auto_mode_matches(lib_path):
     """The benchmark's per-layer shape (8 heads x 128) big enough for the automatic NT mode."""
     for layout in ("vllm_cpu", "flash_attn"):
