@@ -44,8 +44,8 @@ is closed (or garbage-collected) before its last call.
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -54,7 +54,7 @@ import torch
 
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
-from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.memory_management import MemoryObj, PoolReservation
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkSpan
@@ -64,34 +64,85 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- keys
-@functools.lru_cache(maxsize=4096)
-def _split_cached(key: CacheEngineKey, num_layers: int) -> tuple[LayerCacheEngineKey, ...]:
-    return tuple(key.split_layers(num_layers))
+_ROWS_MAX = 4096
+_rows: dict[CacheEngineKey, list[LayerCacheEngineKey | None]] = {}
+_rows_lock = threading.Lock()
+
+
+def _row(key: CacheEngineKey, num_layers: int) -> list[LayerCacheEngineKey | None]:
+    """The (cached) per-layer keys of chunk ``key``; entries are made on first use."""
+    row = _rows.get(key)
+    if row is None or len(row) != num_layers:
+        with _rows_lock:
+            row = _rows.get(key)
+            if row is None or len(row) != num_layers:
+                if len(_rows) >= _ROWS_MAX:
+                    del _rows[next(iter(_rows))]  # oldest first
+                row = _rows[key] = [None] * num_layers
+    return row
+
+
+class LayerKeys(Sequence[list[LayerCacheEngineKey]]):
+    """``keys[layer][chunk]``: the layer keys of a request's chunk keys, made one layer at a time.
+
+    Splitting a chunk key into its ``num_layers`` layer keys costs about as much as
+    hashing the chunk; a layerwise store or retrieve needs layer ``i``'s keys only when
+    it reaches layer ``i``, so each layer's list is built on first access. Layer keys
+    are cached per chunk key (bounded, shared by all requests and threads): a retrieve
+    gets the very key objects its store put into the tiers, which makes the tier dict
+    lookups (identity before equality) cheap.
+    """
+
+    __slots__ = ("_chunks", "_rows", "_layers")
+
+    def __init__(self, chunk_keys: Sequence[CacheEngineKey], num_layers: int) -> None:
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be > 0, got {num_layers}")
+        self._chunks = list(chunk_keys)
+        self._rows = [_row(k, num_layers) for k in self._chunks]
+        self._layers: list[list[LayerCacheEngineKey] | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getitem__(self, layer):  # type: ignore[override]
+        if isinstance(layer, slice):
+            return [self[i] for i in range(*layer.indices(len(self._layers)))]
+        got = self._layers[layer]
+        if got is None:
+            got = []
+            for key, row in zip(self._chunks, self._rows):
+                lk = row[layer]
+                if lk is None:
+                    lk = row[layer] = LayerCacheEngineKey(
+                        key.model_name, key.world_size, key.worker_id, key.chunk_hash, key.dtype, key.request_configs, layer
+                    )
+                got.append(lk)
+            self._layers[layer] = got
+        return got
+
+    def __iter__(self) -> Iterator[list[LayerCacheEngineKey]]:
+        return (self[i] for i in range(len(self._layers)))
 
 
 def layer_keys(keys: Sequence[CacheEngineKey], num_layers: int) -> list[list[LayerCacheEngineKey]]:
-    """Per layer, the layer keys of ``keys`` (``result[layer][chunk]``).
-
-    Recently split keys are reused (bounded cache): a retrieve then gets the very key
-    objects its store put into the tiers, which makes both the splitting and the tier
-    dict lookups (identity before equality) cheap on the time-to-first-layer path.
-    """
-    per_chunk = [_split_cached(k, num_layers) for k in keys]
-    return [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)]
+    """Per layer, the layer keys of ``keys`` (``result[layer][chunk]``; see :class:`LayerKeys`)."""
+    return list(LayerKeys(keys, num_layers))
 
 
-def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> None:
+def _touch_tail_to_head(storage_manager: StorageManager, keys_per_layer: Sequence[Sequence[CacheEngineKey]], hit: int) -> None:
     """Re-order L1 recency so a request's tail chunks (all their layers) are evicted first.
 
-    Layerwise puts and gets touch keys layer by layer; afterwards the eviction order
-    would be "all of layer 0, then layer 1, ...". Chunk ``j`` is usable only if every
-    layer of chunks ``0..j`` is present, so evicting whole chunks from the tail wastes
-    the least.
+    Layerwise puts touch keys layer by layer; afterwards the eviction order would be
+    "all of layer 0, then layer 1, ...". Chunk ``j`` is usable only if every layer of
+    chunks ``0..j`` is present, so evicting whole chunks from the tail wastes the least.
+    Only the first ``hit`` chunks are touched.
     """
-    if not keys_per_layer:
+    if not hit or not keys_per_layer:
         return
+    layers = [layer_list[:hit] for layer_list in reversed(keys_per_layer)]
     # head first; batched_touch walks it backwards: chunk by chunk from the tail, layers in order
-    order = [layer_list[chunk] for chunk in range(len(keys_per_layer[0])) for layer_list in reversed(keys_per_layer)]
+    order = [layer_list[chunk] for chunk in range(hit) for layer_list in layers]
     storage_manager.batched_touch(order)
 
 
@@ -105,6 +156,19 @@ def _release_when_done(fut: Future) -> None:
     fut.add_done_callback(_drop)
 
 
+def _shapes(connector: LayerwiseGPUConnector, spans: Sequence[ChunkSpan]) -> list[tuple[int, ...]]:
+    """Each chunk's one-layer object shape (computed once per distinct length)."""
+    by_len: dict[int, tuple[int, ...]] = {}
+    out = []
+    for s in spans:
+        n = s.end - s.start
+        shape = by_len.get(n)
+        if shape is None:
+            shape = by_len[n] = tuple(connector.get_shape(n))
+        out.append(shape)
+    return out
+
+
 # ---------------------------------------------------------------------- generator state
 @dataclass(slots=True)
 class StoreOutcome:
@@ -114,11 +178,37 @@ class StoreOutcome:
     finished: bool = False
 
 
+class _Preallocated:
+    """A chunk's objects allocated one by one (fallback when no contiguous reservation fits)."""
+
+    __slots__ = ("objs", "taken")
+
+    def __init__(self, objs: list[MemoryObj]) -> None:
+        self.objs = objs
+        self.taken = 0
+
+    def take(self, layer: int) -> MemoryObj:
+        self.taken = layer + 1
+        return self.objs[layer]
+
+    def release(self) -> None:
+        release(self.objs[self.taken :])
+        self.objs = []
+
+
 @dataclass(slots=True)
 class _StoreState:
-    objs: list[list[MemoryObj]] = field(default_factory=list)  # [layer][chunk]
+    chunks: list[PoolReservation | _Preallocated] = field(default_factory=list)
+    objs: list[list[MemoryObj]] = field(default_factory=list)  # [layer][chunk], made layer by layer
     pending: list[LayerCopy] = field(default_factory=list)
     released: bool = False
+
+    def layer(self, layer: int) -> list[MemoryObj]:
+        """Layer ``layer``'s objects (created from the reservations on first use; layers in order)."""
+        while len(self.objs) <= layer:
+            i = len(self.objs)
+            self.objs.append([c.take(i) for c in self.chunks])
+        return self.objs[layer]
 
     def release(self) -> None:
         if self.released:
@@ -129,12 +219,34 @@ class _StoreState:
                 handle.wait()  # a copy in flight still writes into the objects
         for layer_objs in self.objs:
             release(layer_objs)
+        for chunk in self.chunks:
+            chunk.release()
+
+
+class _LayerObjs(Sequence[MemoryObj]):
+    """Layer ``layer`` of a store's objects as the connector sees it: the length is known
+    upfront, the objects are made when the layer is copied (:meth:`_StoreState.layer`)."""
+
+    __slots__ = ("_state", "_layer")
+
+    def __init__(self, state: _StoreState, layer: int) -> None:
+        self._state = state
+        self._layer = layer
+
+    def __len__(self) -> int:
+        return len(self._state.chunks)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._state.layer(self._layer)[i]
+
+    def __iter__(self) -> Iterator[MemoryObj]:
+        return iter(self._state.layer(self._layer))
 
 
 @dataclass(slots=True)
 class _RetrieveState:
-    pinned: list[CacheEngineKey] = field(default_factory=list)
     held: list[tuple[LayerCopy | None, list[MemoryObj]]] = field(default_factory=list)
+    ahead: list[list[MemoryObj] | None] = field(default_factory=list)  # [layer]: L1 objects taken for later layers
     inflight: Future | None = None
     released: bool = False
 
@@ -148,7 +260,7 @@ class _RetrieveState:
                 keep.append((handle, objs))
         self.held = keep
 
-    def release(self, sm: StorageManager) -> None:
+    def release(self) -> None:
         if self.released:
             return
         self.released = True
@@ -160,8 +272,10 @@ class _RetrieveState:
         if self.inflight is not None:
             _release_when_done(self.inflight)
             self.inflight = None
-        sm.batched_unpin(self.pinned)
-        self.pinned = []
+        for objs in self.ahead:
+            if objs:
+                release(objs)
+        self.ahead = []
 
 
 # ---------------------------------------------------------------------- the path
@@ -199,10 +313,10 @@ class LayerwiseTransfer(TransferPath):
         ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``;
         undo with :meth:`unpin`. Non-blocking apart from lower-tier existence checks.
         """
-        return self.ctx.storage_manager.batched_lookup(layer_keys(keys, self.num_layers), pin=pin).hits
+        return self.ctx.storage_manager.batched_lookup(LayerKeys(keys, self.num_layers), pin=pin).hits
 
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
-        self.ctx.storage_manager.batched_unpin([k for layer_list in layer_keys(keys, self.num_layers) for k in layer_list])
+        self.ctx.storage_manager.batched_unpin([k for layer_list in LayerKeys(keys, self.num_layers) for k in layer_list])
 
     # ------------------------------------------------------------------ whole requests
     def store(self, req: TransferRequest) -> int:
@@ -239,70 +353,75 @@ class LayerwiseTransfer(TransferPath):
         sm = ctx.storage_manager
         state = _StoreState()
         try:
-            # ---- call 0: plan, allocate every (chunk, layer) upfront, copy layer 0
+            # ---- call 0: plan, reserve the pool bytes of every (chunk, layer), copy layer 0
             kv = req.kv
             assert kv is not None
             spans: list[ChunkSpan] = ctx.spans(req)
             ctx.stats.add(store_requests=1)
             spans = [s for s in spans if s.end <= kv.first_unmapped]
-            keys = layer_keys([s.key for s in spans], num_layers)
+            keys = LayerKeys([s.key for s in spans], num_layers)
             # one batched lookup per layer (one round trip per remote tier): skip the cached prefix
-            cached = sm.batched_lookup(keys).hits
+            cached = sm.batched_lookup(keys).hits if spans else 0
             todo = [j for j in range(cached, len(spans)) if not all(sm.is_resident(kl[j]) for kl in keys)]
-            todo = self._allocate(connector, spans, todo, state)
+            todo = self._reserve(connector, spans, todo, state)
             spans = [spans[j] for j in todo]
-            keys = [[layer_list[j] for j in todo] for layer_list in keys]
+            keys = LayerKeys([s.key for s in spans], num_layers)
             copier = None
             if spans:
-                copier = connector.batched_from_gpu(state.objs, [s.start for s in spans], [s.end for s in spans], kv)
+                objs_per_layer = [_LayerObjs(state, layer) for layer in range(num_layers)]
+                copier = connector.batched_from_gpu(objs_per_layer, [s.start for s in spans], [s.end for s in spans], kv)
             published = 0  # layers [0, published) are in storage
-            for _layer in range(num_layers):
+            for layer in range(num_layers):
                 if copier is not None:
+                    state.layer(layer)
                     state.pending.append(next(copier))
                     while published < len(state.pending) and state.pending[published].done():
-                        sm.batched_put(keys[published], state.objs[published])
+                        sm.batched_put(keys[published], state.layer(published))
                         published += 1
                 yield None
             # ---- last call: publish what is left, release, stats
             for handle in state.pending[published:]:
                 if not handle.done():
                     handle.wait()
-                sm.batched_put(keys[handle.layer], state.objs[handle.layer])
-            _touch_tail_to_head(sm, keys)
+                sm.batched_put(keys[handle.layer], state.layer(handle.layer))
+            _touch_tail_to_head(sm, keys, len(spans))
+            stored_bytes = sum(o.get_size() for o in state.objs[0]) * num_layers if state.objs else 0
             state.release()
             outcome.stored_tokens = sum(s.end - s.start for s in spans)
             outcome.finished = True
-            ctx.stats.add(stored_tokens=outcome.stored_tokens)
+            ctx.stats.add(stored_tokens=outcome.stored_tokens, stored_bytes=stored_bytes)
             yield None
         finally:
             state.release()
 
-    def _allocate(
-        self, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState
-    ) -> list[int]:
-        """Allocate every layer of the ``todo`` chunks, chunk by chunk; returns the chunks that got all.
+    def _reserve(self, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState) -> list[int]:
+        """Reserve the pool bytes of every layer of the ``todo`` chunks, chunk by chunk (one
+        contiguous block per chunk, or, when none fits, one allocation per layer); returns
+        the chunks that got all their layers.
 
         On pool exhaustion the remaining chunks are skipped (counted, logged once); a
-        chunk is never stored with some layers missing.
+        chunk is never stored with some layers missing. The objects themselves are
+        created layer by layer (:meth:`_StoreState.layer`).
         """
         num_layers = self.num_layers
-        dtype = self.ctx.metadata.kv_dtype
-        per_chunk: list[list[MemoryObj]] = []
-        for n_done, j in enumerate(todo):
-            shape = connector.get_shape(spans[j].end - spans[j].start)
-            chunk_objs: list[MemoryObj] = []
-            for _ in range(num_layers):
-                obj = self.ctx.storage_manager.allocate(shape, dtype, connector.fmt)
-                if obj is None:
-                    break
-                chunk_objs.append(obj)
-            if len(chunk_objs) < num_layers:
-                release(chunk_objs)
-                self.ctx.pool_full(len(todo) - n_done)
-                todo = todo[:n_done]
-                break
-            per_chunk.append(chunk_objs)
-        state.objs = [[chunk[layer] for chunk in per_chunk] for layer in range(num_layers)] if per_chunk else []
+        sm = self.ctx.storage_manager
+        dtype, fmt = self.ctx.metadata.kv_dtype, connector.fmt
+        shapes = _shapes(connector, [spans[j] for j in todo])
+        for n_done, shape in enumerate(shapes):
+            chunk: PoolReservation | _Preallocated | None = sm.reserve(shape, dtype, fmt, num_layers)
+            if chunk is None:
+                objs: list[MemoryObj] = []
+                for _ in range(num_layers):
+                    obj = sm.allocate(shape, dtype, fmt)
+                    if obj is None:
+                        break
+                    objs.append(obj)
+                if len(objs) < num_layers:
+                    release(objs)
+                    self.ctx.pool_full(len(todo) - n_done)
+                    return todo[:n_done]
+                chunk = _Preallocated(objs)
+            state.chunks.append(chunk)
         return todo
 
     # ------------------------------------------------------------------ retrieve
@@ -317,13 +436,6 @@ class LayerwiseTransfer(TransferPath):
         """
         return self._retrieve_steps(self.connector(), req)
 
-    @staticmethod
-    def _pin_prefix(sm: StorageManager, keys_per_layer: list[list[LayerCacheEngineKey]], state: _RetrieveState) -> int:
-        """Chunks retrievable for every layer; pins (and records) the L1 entries of that prefix."""
-        lookup = sm.batched_lookup(keys_per_layer, pin=True)
-        state.pinned.extend(lookup.pinned)
-        return lookup.hits
-
     def _retrieve_steps(self, connector: LayerwiseGPUConnector, req: TransferRequest) -> Iterator[torch.Tensor | None]:
         ctx = self.ctx
         num_layers = self.num_layers
@@ -331,61 +443,107 @@ class LayerwiseTransfer(TransferPath):
         state = _RetrieveState()
         loader = None
         try:
-            # ---- call 0: setup
+            # ---- call 0: keys, start layer 0's reads
             ret = torch.zeros(req.num_tokens, dtype=torch.bool)
             spans: list[ChunkSpan] = ctx.spans(req)
             ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
-            keys = layer_keys([s.key for s in spans], num_layers)
-            hit = self._pin_prefix(sm, keys, state) if spans else 0
-            spans, keys = spans[:hit], [layer_list[:hit] for layer_list in keys]
-            reads = None
+            keys = LayerKeys([s.key for s in spans], num_layers)
+            hit = len(spans)
             sources: list[list[str]] = []
-            chunk_bytes = [0] * hit
+            sizes: list[int] = []  # bytes of each hit chunk's layer-0 object
+            want = _shapes(connector, spans)
             if hit:
                 loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
                 next(loader)
-                reads = sm.layerwise_batched_get(keys, sources=sources)
-                state.inflight = next(reads)
+                state.inflight = sm.layer_batched_get(keys[0], sources=sources, touch=False)
             yield None
             # ---- calls 1..num_layers: one layer each
             for layer in range(num_layers):
                 if loader is not None:
+                    if layer == 1:  # the rest of the set-up, off layer 0's critical path
+                        hit = self._hold_rest(keys, hit, state)
+                    assert state.inflight is not None
                     got: list[MemoryObj | None] = state.inflight.result()
-                    state.inflight = next(reads) if layer + 1 < num_layers else None  # overlap the next layer's reads
-                    ok = 0
-                    while ok < min(hit, len(got)) and got[ok] is not None:
-                        ok += 1
-                    ok = ctx.fitting_prefix(spans[:ok], got[:ok], connector, keys[layer][:ok])  # type: ignore[arg-type]
+                    state.inflight = None
+                    ok = self._usable(got, hit, spans, want, connector, keys[layer])
                     if ok < hit:
-                        self._report_shortfall(layer, hit, ok)
+                        if layer >= 2:  # layers 0 and 1 are part of the set-up: a shorter prefix is a plain miss
+                            self._report_shortfall(layer, hit, ok)
                         hit = ok
                     release(got[hit:])
-                    objs = [o for o in got[:hit] if o is not None]
-                    for i, o in enumerate(objs):
-                        chunk_bytes[i] += o.get_size()
+                    objs: list[MemoryObj] = got[:hit]  # type: ignore[assignment]
+                    if layer == 0:
+                        sizes = [o.get_size() for o in objs]
                     handle = None
                     try:
                         handle = loader.send(objs)
                     finally:
                         state.held.append((handle, objs))  # released once the copy is done (or failed)
                     state.release_done()
+                    if layer + 1 < num_layers:  # the next layer's reads overlap the forward pass
+                        state.inflight = self._read(keys, layer + 1, hit, state)
                 yield None
             # ---- last call: final ordering, release, mask
             if loader is not None:
                 next(loader)
-            state.release(sm)
+            state.release()
             if hit:
                 req.mark_written(ret, spans[0].start, spans[hit - 1].end)
-            _touch_tail_to_head(sm, [layer_list[:hit] for layer_list in keys])
+            _touch_tail_to_head(sm, keys, hit)
             if hit:
                 tiers = [h[0] if h else "unknown" for h in sources[:hit]]
-                ctx.count_loaded(spans[:hit], tiers, chunk_bytes[:hit], ret)
+                ctx.count_loaded(spans[:hit], tiers, [n * num_layers for n in sizes[:hit]], ret)
             ctx.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
             yield ret
         finally:
-            state.release(sm)
+            state.release()
             if loader is not None:
                 loader.close()
+
+    def _hold_rest(self, keys: LayerKeys, hit: int, state: _RetrieveState) -> int:
+        """Chunks (of the first ``hit``) present in layers ``2..num_layers-1``; takes those
+        layers' L1 objects for them, so they cannot be evicted before their read (layers 0
+        and 1 are held by their reads already)."""
+        if not hit or self.num_layers <= 2:
+            return hit
+        found, held = self.ctx.storage_manager.hold_layers([keys[layer][:hit] for layer in range(2, self.num_layers)])
+        state.ahead = [None, None]
+        for objs in held:
+            release(objs[found:])
+            state.ahead.append(objs[:found])
+        return min(hit, found)
+
+    def _read(self, keys: LayerKeys, layer: int, hit: int, state: _RetrieveState) -> Future:
+        """Start layer ``layer``'s reads for the first ``hit`` chunks (its held L1 objects first)."""
+        held = state.ahead[layer] if layer < len(state.ahead) else None
+        if layer < len(state.ahead):
+            state.ahead[layer] = None
+        if held is not None and len(held) > hit:
+            release(held[hit:])
+            held = held[:hit]
+        return self.ctx.storage_manager.layer_batched_get(keys[layer][:hit], held=held, touch=False)
+
+    def _usable(
+        self,
+        got: list[MemoryObj | None],
+        hit: int,
+        spans: list[ChunkSpan],
+        want: list[tuple[int, ...]],
+        connector: LayerwiseGPUConnector,
+        keys: list[LayerCacheEngineKey],
+    ) -> int:
+        """Leading objects of ``got`` (at most ``hit``) present and fitting their chunk; the
+        first that does not fit is dropped from every tier (``TransferContext.fitting_prefix``)."""
+        dtype, fmt = self.ctx.metadata.kv_dtype, connector.fmt
+        n = min(hit, len(got))
+        for i in range(n):
+            obj = got[i]
+            if obj is None:
+                return i
+            meta = obj.meta
+            if meta.shape != want[i] or meta.dtype != dtype or meta.fmt is not fmt:
+                return i + self.ctx.fitting_prefix(spans[i : i + 1], [obj], connector, keys[i : i + 1])
+        return n
 
     def _report_shortfall(self, layer: int, expected: int, got: int) -> None:
         self.ctx.stats.add(load_errors=1)

@@ -77,7 +77,7 @@ class MemoryObj:
     not backed by an allocator simply drop their tensor).
     """
 
-    __slots__ = ("meta", "_raw", "_tensor", "_allocator", "_slab", "_offset", "_size", "_ref", "_pin", "_lock")
+    __slots__ = ("meta", "_raw", "_tensor", "_allocator", "_slab", "_offset", "_size", "_ref", "_pin", "_lock", "_base")
 
     def __init__(
         self,
@@ -89,7 +89,8 @@ class MemoryObj:
         size: int = 0,
     ) -> None:
         self.meta = meta
-        self._raw = raw
+        self._raw: torch.Tensor | None = raw
+        self._base: torch.Tensor | None = None
         self._tensor: torch.Tensor | None = raw[: meta.nbytes].view(meta.dtype).view(meta.shape)
         self._allocator = allocator
         self._slab = slab
@@ -98,6 +99,33 @@ class MemoryObj:
         self._ref = 1
         self._pin = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def _in_slab(
+        cls, meta: MemoryObjMetadata, tensor: torch.Tensor, base: torch.Tensor, allocator: PoolAllocator, slab: int, offset: int, size: int
+    ) -> MemoryObj:
+        """A pool object whose typed view is already built (``tensor``, at ``base[offset]``);
+        its uint8 view of ``base[offset : offset + size]`` is made on first use."""
+        obj = cls.__new__(cls)
+        obj.meta = meta
+        obj._raw = None
+        obj._base = base
+        obj._tensor = tensor
+        obj._allocator = allocator
+        obj._slab = slab
+        obj._offset = offset
+        obj._size = size
+        obj._ref = 1
+        obj._pin = 0
+        obj._lock = threading.Lock()
+        return obj
+
+    def _raw_view(self) -> torch.Tensor:
+        raw = self._raw
+        if raw is None:
+            assert self._base is not None
+            raw = self._raw = self._base[self._offset : self._offset + self._size]
+        return raw
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, fmt: MemoryFormat) -> MemoryObj:
@@ -115,7 +143,7 @@ class MemoryObj:
     @property
     def byte_array(self) -> torch.Tensor:
         """The payload as a flat uint8 tensor (length ``meta.nbytes``)."""
-        return self._raw[: self.meta.nbytes]
+        return self._raw_view()[: self.meta.nbytes]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -167,12 +195,12 @@ class MemoryObj:
     @property
     def raw_tensor(self) -> torch.Tensor | None:
         """The object's whole pool region as uint8 (None after it was freed)."""
-        return self._raw if self._tensor is not None else None
+        return self._raw_view() if self._tensor is not None else None
 
     @property
     def data_ptr(self) -> int:
         """Address of the payload's first byte."""
-        return self._raw.data_ptr()
+        return self._raw_view().data_ptr()
 
     # ------------------------------------------------------------------ counts
     @property
@@ -230,7 +258,7 @@ class MemoryObj:
 class _Slab:
     """One contiguous byte buffer with a sorted, coalescing free list."""
 
-    __slots__ = ("buf", "size", "free_offsets", "free_sizes")
+    __slots__ = ("buf", "size", "free_offsets", "free_sizes", "typed")
 
     def __init__(self, size: int, pin_memory: bool) -> None:
         raw = None
@@ -248,6 +276,14 @@ class _Slab:
         self.size = size
         self.free_offsets = [0]
         self.free_sizes = [size]
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+        """The whole slab viewed as each dtype asked for (reservations build their views from it)."""
+
+    def view_as(self, dtype: torch.dtype) -> torch.Tensor:
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.typed[dtype] = self.buf.view(dtype)
+        return typed
 
     def alloc(self, size: int) -> int | None:
         for i, fsize in enumerate(self.free_sizes):
@@ -341,6 +377,40 @@ class PoolAllocator:
             self._used += size
         return MemoryObj(meta, slab.buf[off : off + size], self, idx, off, size)
 
+    def reserve(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat, count: int
+    ) -> PoolReservation | None:
+        """Pool bytes for ``count`` objects of one shape in one contiguous block, or None
+        (budget exhausted, or no slab has such a block free). The objects are created
+        later, one by one (:meth:`PoolReservation.take`); see :class:`PoolReservation`."""
+        if count <= 0:
+            raise ValueError(f"count={count!r}: expected > 0")
+        meta = MemoryObjMetadata(tuple(int(d) for d in shape), dtype, fmt)
+        size = _round_up(max(meta.nbytes, 1))
+        total = size * count
+        if total > self.slab_bytes or size % _itemsize(dtype):
+            return None
+        with self._lock:
+            if self._used + total > self.capacity:
+                return None
+            for idx, slab in enumerate(self._slabs):
+                off = slab.alloc(total)
+                if off is not None:
+                    break
+            else:
+                slab_size = min(self.slab_bytes, self.capacity - self._reserved) // ALIGN * ALIGN
+                if slab_size < total:
+                    return None
+                slab = _Slab(slab_size, self.pin_memory)
+                self._slabs.append(slab)
+                self._reserved += slab_size
+                idx = len(self._slabs) - 1
+                off = slab.alloc(total)
+                assert off is not None
+            self._used += total
+            typed = slab.view_as(dtype)
+        return PoolReservation(self, meta, idx, slab.buf, typed, off, size, count)
+
     def _release(self, slab: int, offset: int, size: int) -> None:
         with self._lock:
             if slab < len(self._slabs):  # after close() the slabs are gone
@@ -352,6 +422,78 @@ class PoolAllocator:
         with self._lock:
             self._slabs.clear()
             self._reserved = 0
+
+
+class PoolReservation:
+    """Pool bytes booked for ``count`` same-shape objects in one contiguous block.
+
+    Made by :meth:`PoolAllocator.reserve`. The bytes count as used from the start (so a
+    request that reserved all it needs cannot run out half way), but the objects are
+    created only when asked for: :meth:`take` returns slot ``i`` as an ordinary pool
+    object (ref_count 1, owned by the caller, freed on its own when its count reaches
+    zero); :meth:`release` returns every slot never taken to the pool. Creating an
+    object from a reservation costs one tensor view (no allocator lock).
+
+    Thread: one owner at a time (not thread-safe). The owner must call :meth:`release`
+    (idempotent) when done, also on error paths.
+    """
+
+    __slots__ = ("_allocator", "meta", "_slab", "_buf", "_typed", "_offset", "size", "count", "_taken", "_strides", "_released")
+
+    def __init__(
+        self,
+        allocator: PoolAllocator,
+        meta: MemoryObjMetadata,
+        slab: int,
+        buf: torch.Tensor,
+        typed: torch.Tensor,
+        offset: int,
+        size: int,
+        count: int,
+    ) -> None:
+        self._allocator = allocator
+        self.meta = meta
+        self._slab = slab
+        self._buf = buf
+        self._typed = typed
+        self._offset = offset
+        self.size = size
+        """Pool bytes of each slot (the payload rounded up to a page)."""
+        self.count = count
+        self._taken = [False] * count
+        strides, step = [], 1
+        for d in reversed(meta.shape):
+            strides.append(step)
+            step *= d
+        self._strides = tuple(reversed(strides))
+        self._released = False
+
+    def take(self, i: int) -> MemoryObj:
+        """Slot ``i`` as a new object (ref_count 1, caller owns it); each slot once."""
+        if self._released or self._taken[i]:
+            raise ValueError(f"slot {i}: already taken or the reservation was released")
+        self._taken[i] = True
+        off = self._offset + i * self.size
+        # as_strided's offset counts from the start of the storage, not of the slab's view
+        start = self._typed.storage_offset() + off // _itemsize(self.meta.dtype)
+        tensor = torch.as_strided(self._typed, self.meta.shape, self._strides, start)
+        return MemoryObj._in_slab(self.meta, tensor, self._buf, self._allocator, self._slab, off, self.size)
+
+    def release(self) -> None:
+        """Return every slot never taken to the pool (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        i = 0
+        while i < self.count:
+            if self._taken[i]:
+                i += 1
+                continue
+            j = i
+            while j < self.count and not self._taken[j]:
+                j += 1
+            self._allocator._release(self._slab, self._offset + i * self.size, (j - i) * self.size)
+            i = j
 
 
 def _round_up(n: int) -> int:

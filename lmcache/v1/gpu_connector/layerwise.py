@@ -39,11 +39,11 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
-from lmcache.v1.gpu_connector import copy_ops
+from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
 from lmcache.v1.gpu_connector.paged import PagedKVBase
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -71,6 +71,7 @@ class LayerCopy:
 
 
 StoreGenerator = Generator[LayerCopy, None, None]
+LayerCopier = Callable[[int, Sequence[MemoryObj]], None]
 LoadGenerator = Generator["LayerCopy | None", "Sequence[MemoryObj] | None", None]
 
 
@@ -131,6 +132,26 @@ class LayerwiseGPUConnector(PagedKVBase):
         event.record(stream)
         return LayerCopy(layer, event)
 
+    def _layer_copier(
+        self,
+        direction: int,
+        kvcaches: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slots: torch.Tensor,
+        starts: Sequence[int],
+        ends: Sequence[int],
+    ) -> LayerCopier:
+        """The per-layer copy of one request: ``copier(layer, objs)`` copies ``layer`` for
+        the first ``len(objs)`` chunks. Built once per generator; subclasses may prepare
+        the per-request work here (see :class:`VLLMPagedMemLayerwiseGPUConnector`)."""
+        body = self._gather_layer if direction == native.GATHER else self._scatter_layer
+
+        def copy(layer: int, objs: Sequence[MemoryObj]) -> None:
+            k = len(objs)
+            body(kvcaches[layer], geom, slots, starts[:k], ends[:k], objs)
+
+        return copy
+
     @abstractmethod
     def _gather_layer(
         self,
@@ -186,13 +207,12 @@ class LayerwiseGPUConnector(PagedKVBase):
         stream = self._stream_of(self.store_stream, kvcaches[0])
         if stream is not None and slots.is_cuda:
             slots.record_stream(stream)  # read by copies still queued when the generator ends
+        copy = self._layer_copier(native.GATHER, kvcaches, geom, slots, starts, ends)
         for layer in range(self.num_layers):
             if stream is not None and sync:
                 stream.wait_stream(torch.cuda.current_stream(kvcaches[layer].device))
             objs = objs_per_layer[layer]
-            yield self._run_layer(
-                stream, layer, lambda: self._gather_layer(kvcaches[layer], geom, slots, starts, ends, objs)
-            )
+            yield self._run_layer(stream, layer, lambda: copy(layer, objs))
 
     def batched_to_gpu(
         self, starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
@@ -225,6 +245,7 @@ class LayerwiseGPUConnector(PagedKVBase):
             if slots.is_cuda:
                 slots.record_stream(stream)  # read by copies still queued when the generator ends
         previous: LayerCopy | None = None
+        copy = self._layer_copier(native.SCATTER, kvcaches, geom, slots, starts, ends)
         objs = yield None
         for layer in range(self.num_layers):
             if objs is None:
@@ -233,13 +254,8 @@ class LayerwiseGPUConnector(PagedKVBase):
                 raise ValueError(f"batched_to_gpu: layer {layer} got {len(objs)} objects for {len(starts)} chunks")
             if sync and previous is not None and previous.event is not None:
                 torch.cuda.current_stream(device).wait_event(previous.event)
-            k = len(objs)
             layer_objs = list(objs)
-            previous = self._run_layer(
-                stream,
-                layer,
-                lambda: self._scatter_layer(kvcaches[layer], geom, slots, starts[:k], ends[:k], layer_objs),
-            )
+            previous = self._run_layer(stream, layer, lambda: copy(layer, layer_objs))
             objs = yield previous
         if sync and previous is not None and previous.event is not None:
             torch.cuda.current_stream(device).wait_event(previous.event)
@@ -247,7 +263,38 @@ class LayerwiseGPUConnector(PagedKVBase):
 
 
 class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
-    """Layerwise copies straight between the paged layer and the per-layer objects."""
+    """Layerwise copies straight between the paged layer and the per-layer objects.
+
+    On the CPU with the native kernels, each request's copies share one
+    :class:`~lmcache.v1.gpu_connector.native.LayerCopyPlan` (spans, slots and layer
+    checks done once); a layer then costs one native call plus a metadata check per
+    object. Elsewhere (CUDA, torch fallback) every layer goes through
+    :mod:`~lmcache.v1.gpu_connector.copy_ops`.
+    """
+
+    def _layer_copier(self, direction, kvcaches, geom, slots, starts, ends) -> LayerCopier:
+        mod = native.load() if copy_ops.native_enabled() else None
+        if mod is None or not starts or kvcaches[0].device.type != "cpu":
+            return super()._layer_copier(direction, kvcaches, geom, slots, starts, ends)
+        counts = [e - s for s, e in zip(starts, ends)]
+        plan = mod.layer_plan(direction, kvcaches, geom, slots, starts, counts)
+        dtype = kvcaches[0].dtype
+        shapes = {n: tuple(self.get_shape(n)) for n in set(counts)}
+        want = [shapes[n] for n in counts]
+        run = plan.run
+
+        def copy(layer: int, objs: Sequence[MemoryObj]) -> None:
+            ptrs = []
+            for j, obj in enumerate(objs):
+                t = obj.tensor
+                meta = obj.meta
+                if t is None or meta.shape != want[j] or meta.dtype != dtype or not t.is_cpu:
+                    self._kernel_view(obj, starts[j], ends[j])  # raises the precise error
+                    raise ValueError(f"MemoryObj {obj!r}: dtype {meta.dtype} or device does not match the KV ({dtype}, cpu)")
+                ptrs.append(t.data_ptr())
+            run(layer, ptrs)
+
+        return copy
 
     def _gather_layer(self, layer_kv, geom, slots, starts, ends, objs) -> None:
         if objs:

@@ -157,6 +157,24 @@ class NativeKernels:
         """Cache memory -> paged KV (semantics of :func:`.copy_ops.paged_scatter`)."""
         self._copy(SCATTER, kv_layers, geom, slot_mapping, starts, srcs)
 
+    def layer_plan(
+        self,
+        direction: int,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        counts: Sequence[int],
+    ) -> LayerCopyPlan:
+        """A :class:`LayerCopyPlan` for one request's per-layer copies (CPU tensors only).
+
+        ``kv_layers`` are the request's layer tensors (same shape, strides, dtype and
+        device, as :class:`~lmcache.v1.request.PagedKV` guarantees; checked here);
+        chunk ``k`` holds tokens ``[starts[k], starts[k] + counts[k])``. ValueError on
+        malformed arguments.
+        """
+        return LayerCopyPlan(self, direction, kv_layers, geom, slot_mapping, starts, counts)
+
     # ------------------------------------------------------------------ internals
     def _copy(
         self,
@@ -292,6 +310,131 @@ class NativeKernels:
         if rc == _ERR_NOMEM:
             raise MemoryError("native copy: could not allocate its work arrays")
         raise ValueError(f"native copy rejected its arguments (code {rc})")
+
+
+class LayerCopyPlan:
+    """One request's per-layer CPU copies with the argument marshalling done once.
+
+    The layerwise pipeline copies the same chunks once per layer; only the layer tensor
+    and the chunks' memory objects change. The plan validates the layers, the slot
+    mapping and the spans once and builds the ctypes argument block; :meth:`run` then
+    fills in one layer's pointers and calls the kernel (a few microseconds of Python per
+    layer instead of a full :meth:`NativeKernels._copy` set-up).
+
+    Memory side contract of :meth:`run`: ``mem_ptrs[k]`` is the address of a contiguous
+    ``[num_comps, 1, counts[k], hidden]`` tensor of the layers' dtype that stays alive
+    for the call (the caller checks this from the memory objects' metadata). The slot
+    runs are still checked against the layer's blocks by the kernel on every call.
+
+    Thread: the caller's; one plan is not shared between threads. Blocking: CPU copies
+    complete before :meth:`run` returns (the GIL is released meanwhile).
+    """
+
+    def __init__(
+        self,
+        kernels: NativeKernels,
+        direction: int,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        counts: Sequence[int],
+    ) -> None:
+        layers = list(kv_layers)
+        if not layers:
+            raise ValueError("kv_layers: expected at least one layer tensor")
+        if direction not in (GATHER, SCATTER):
+            raise ValueError(f"direction={direction!r}: expected {GATHER} (gather) or {SCATTER} (scatter)")
+        if len(starts) != len(counts):
+            raise ValueError(f"starts/counts: lengths differ ({len(starts)}, {len(counts)})")
+        first = layers[0]
+        if first.device.type != "cpu":
+            raise ValueError(f"kv_layers: a layer plan needs CPU tensors, got {first.device}")
+        for i, layer in enumerate(layers):
+            if (
+                layer.dtype != first.dtype
+                or layer.device != first.device
+                or layer.stride() != first.stride()
+                or layer.shape != first.shape
+            ):
+                raise ValueError(
+                    f"kv_layers[{i}]: shape/dtype/strides {tuple(layer.shape)}/{layer.dtype}/{layer.stride()} differ "
+                    f"from layer 0 ({tuple(first.shape)}/{first.dtype}/{first.stride()})"
+                )
+        slots = slot_mapping
+        if slots.dtype != torch.int64 or slots.device != first.device or not slots.is_contiguous():
+            slots = slots.to(device=first.device, dtype=torch.int64).contiguous()
+        hidden, num_comps = geom.hidden, len(geom.components)
+        chunk_info: list[int] = []
+        self.mem_bytes: list[int] = []
+        """Bytes of each chunk's memory tensor (what :meth:`run` may touch from its pointer)."""
+        for k, (start, count) in enumerate(zip(starts, counts)):
+            start, count = int(start), int(count)
+            if count <= 0 or start < 0 or start + count > slots.shape[0]:
+                raise ValueError(
+                    f"chunk {k}: tokens [{start}, {start + count}) outside the slot mapping ({slots.shape[0]} entries)"
+                )
+            chunk_info += [start, count, count * hidden, count * hidden, hidden]
+            self.mem_bytes.append(num_comps * count * hidden * first.element_size())
+        self._kernels = kernels
+        self._slots = slots  # keeps the converted slot tensor alive while the plan exists
+        self._layers = layers
+        self._num_chunks = len(counts)
+        self._comps = _i64_array([v for c in geom.components for v in c.as_tuple()])
+        self._chunk_info = _i64_array(chunk_info)
+        self._mem_ptrs = _u64_array([0] * self._num_chunks)
+        self._layer_ptrs = _u64_array([0])
+        self._layer_blocks = _i64_array(layer_block_counts([first], geom))
+        self._error_info = _i64_array([0, 0])
+        self._geom = geom
+        self._args = _Args(
+            direction=direction,
+            elem_size=first.element_size(),
+            num_layers=1,
+            num_comps=num_comps,
+            num_chunks=self._num_chunks,
+            num_blocks=geom.num_blocks,
+            block_size=geom.block_size,
+            num_heads=geom.num_heads,
+            head_size=geom.head_size,
+            num_slots=slots.shape[0],
+            num_threads=kernels.num_threads,
+            flags=kernels.nt_mode,
+            slots=slots.data_ptr(),
+            comps=ctypes.addressof(self._comps),
+            layer_ptrs=ctypes.addressof(self._layer_ptrs),
+            chunk_info=ctypes.addressof(self._chunk_info),
+            mem_ptrs=ctypes.addressof(self._mem_ptrs),
+            error_info=ctypes.addressof(self._error_info),
+            layer_blocks=ctypes.addressof(self._layer_blocks),
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        return self._num_chunks
+
+    def run(self, layer: int, mem_ptrs: Sequence[int]) -> None:
+        """Copy layer ``layer`` for the first ``len(mem_ptrs)`` chunks (see the class docstring)."""
+        k = len(mem_ptrs)
+        if k == 0:
+            return
+        if k > self._num_chunks:
+            raise ValueError(f"mem_ptrs: {k} pointers for a plan of {self._num_chunks} chunks")
+        args = self._args
+        layer_t = self._layers[layer]
+        self._layer_ptrs[0] = layer_t.data_ptr()
+        self._mem_ptrs[:k] = mem_ptrs
+        args.num_chunks = k
+        keep = None
+        if self._kernels.bounds_checked:
+            keep = (
+                _u64_array(list(_byte_extent(layer_t))),
+                _u64_array([b for p, n in zip(mem_ptrs, self.mem_bytes) for b in (p, p + n)]),
+            )
+            args.layer_bounds = ctypes.addressof(keep[0])
+            args.mem_bounds = ctypes.addressof(keep[1])
+        rc = self._kernels._cpu.lmc_paged_copy(ctypes.byref(args))
+        NativeKernels._raise_for(rc, self._error_info, self._geom)
 
 
 def layer_block_counts(layers: Sequence[torch.Tensor], geom: PagedGeometry) -> list[int]:

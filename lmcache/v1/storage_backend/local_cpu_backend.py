@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Callable, Sequence
 
 import torch
 
 from lmcache.v1.keys import CacheEngineKey
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
@@ -84,6 +85,36 @@ class LocalCPUBackend(StorageBackend):
             self._on_evict(evicted)
         self._notify("removed", dropped)
         return obj
+
+    def reserve(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat, count: int
+    ) -> PoolReservation | None:
+        """Pool bytes for ``count`` objects of one shape in one contiguous block
+        (:meth:`PoolAllocator.reserve`), evicting as needed; None if impossible.
+
+        Eviction is atomic by bytes, as in :meth:`allocate`. If the freed bytes are not
+        contiguous, None is returned (nothing more is evicted): the caller falls back to
+        :meth:`allocate` per object, which uses the bytes already freed."""
+        res = self.allocator.reserve(shape, dtype, fmt, count)
+        if res is not None:
+            return res
+        nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+        need = -(-max(nbytes, 1) // ALIGN) * ALIGN * count
+        if need > self.allocator.slab_bytes:
+            return None
+        dropped: list[CacheEngineKey] = []
+        with self._lock:
+            victims = self._index.make_room(need - self.allocator.free_bytes)
+            if victims is None:
+                return None
+            for key, victim in victims:
+                self._release(victim)
+                dropped.append(key)
+            res = self.allocator.reserve(shape, dtype, fmt, count)
+        if dropped and self._on_evict is not None:
+            self._on_evict(len(dropped))
+        self._notify("removed", dropped)
+        return res
 
     # ------------------------------------------------------------------ contract
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:

@@ -23,7 +23,7 @@ import torch
 from lmcache.errors import resolved
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
+from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
@@ -100,6 +100,14 @@ class StorageManager:
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
         """A pool object (ref 1, caller owns it), evicting from L1 as needed; None if full."""
         return self.local_cpu.allocate(shape, dtype, fmt)
+
+    def reserve(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat, count: int
+    ) -> PoolReservation | None:
+        """Pool bytes for ``count`` same-shape objects, created later one by one
+        (:class:`~lmcache.v1.memory_management.PoolReservation`), evicting from L1 as
+        needed; None if the pool has no contiguous room for them (use :meth:`allocate`)."""
+        return self.local_cpu.reserve(shape, dtype, fmt, count)
 
     # ------------------------------------------------------------------ writes
     def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
@@ -211,19 +219,38 @@ class StorageManager:
         tier name.
         """
         for layer, keys in enumerate(keys_per_layer):
-            # L1 hits are read inline (one lock hold, no per-key future); the rest go to the tiers' futures.
-            resident = self.local_cpu.get_prefix(keys, touch=True)
-            holders: list[list[str]] = [[self.local_cpu.tier] for _ in resident]
-            holders += [[] for _ in keys[len(resident) :]]
-            if sources is not None and layer == 0:
-                sources.extend(holders)
-            if len(resident) == len(keys):
-                yield resolved(resident)
-                continue
-            futures = [resolved(o) for o in resident] + [
-                self._get_non_blocking(k, h) for k, h in zip(keys[len(resident) :], holders[len(resident) :])
-            ]
-            yield _gather_prefix(futures)
+            yield self.layer_batched_get(keys, sources=sources if layer == 0 else None)
+
+    def layer_batched_get(
+        self,
+        keys: Sequence[CacheEngineKey],
+        *,
+        held: list[MemoryObj] | None = None,
+        sources: list[list[str]] | None = None,
+        touch: bool = True,
+    ) -> Future:
+        """One layer of :meth:`layerwise_batched_get`: a Future of the objects of a prefix
+        of ``keys`` (None from the first miss on; one reference each, caller owns them).
+
+        L1 hits are read inline (one lock hold, no per-key future); the rest go to the
+        lower tiers' non-blocking reads (hits promoted into L1). ``held``: the leading
+        L1 objects of ``keys`` the caller already took (:meth:`hold_layers`); their
+        references move into the result and only the keys after them are read.
+        ``sources``: as in :meth:`layerwise_batched_get`. ``touch=False`` leaves the L1
+        recency of the hits alone (the caller records it, e.g. :meth:`batched_touch`).
+        """
+        resident = held if held is not None else self.local_cpu.get_prefix(keys, touch=touch)
+        if sources is not None:
+            sources.extend([self.local_cpu.tier] for _ in resident)
+        if len(resident) >= len(keys):
+            return resolved(resident)
+        holders: list[list[str]] = [[] for _ in keys[len(resident) :]]
+        if sources is not None:
+            sources.extend(holders)
+        futures = [resolved(o) for o in resident] + [
+            self._get_non_blocking(k, h) for k, h in zip(keys[len(resident) :], holders)
+        ]
+        return _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -276,6 +303,28 @@ class StorageManager:
         """Record L1 hits for ``keys`` (head first) from the last to the first, in one
         visit, so the head stays the most recent entry (tail evicted before head)."""
         self.local_cpu.touch_sequence(keys)
+
+    def hold_layers(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]]) -> tuple[int, list[list[MemoryObj]]]:
+        """For a layerwise retrieve: take the L1 objects of every layer's leading keys and
+        count the leading chunks present for every layer.
+
+        Returns ``(hits, held)``: ``held[layer]`` are the layer's leading L1 objects
+        (one reference each, owned by the caller; held objects cannot be evicted, like
+        pinned ones) and ``hits`` the number of leading chunks present for every layer
+        in some tier (L1 first; the rest as one batched existence check per lower tier
+        and layer). Pass ``held`` to :meth:`layerwise_batched_get`. L1 recency is not
+        changed. Non-blocking apart from lower-tier existence checks.
+        """
+        held = [self.local_cpu.get_prefix(keys) for keys in keys_per_layer]
+        hits = min((len(keys) for keys in keys_per_layer), default=0)
+        for keys, objs in zip(keys_per_layer, held):
+            n = len(objs)
+            for backend in self.lower:
+                if n >= hits:
+                    break
+                n += backend.batched_contains(keys[n:hits])
+            hits = min(hits, n)
+        return hits, held
 
     def is_resident(self, key: CacheEngineKey) -> bool:
         """Whether L1 holds the key (in-memory check, never I/O)."""
