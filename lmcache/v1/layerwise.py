@@ -442,9 +442,9 @@ class LayerwiseTransfer(TransferPath):
         sm = ctx.storage_manager
         state = _RetrieveState()
         loader = None
+        defer_layer1 = False
         try:
             # ---- call 0: keys, start layer 0's reads
-            ret = torch.zeros(req.num_tokens, dtype=torch.bool)
             spans: list[ChunkSpan] = ctx.spans(req)
             ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
             keys = LayerKeys([s.key for s in spans], num_layers)
@@ -456,12 +456,16 @@ class LayerwiseTransfer(TransferPath):
                 loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
                 next(loader)
                 state.inflight = sm.layer_batched_get(keys[0], sources=sources, touch=False)
+            # layer 0 wholly in L1 (read inline): layer 1's reads wait for call 2, off layer 0's path
+            defer_layer1 = all(h == [sm.local_cpu.tier] for h in sources)
             yield None
             # ---- calls 1..num_layers: one layer each
             for layer in range(num_layers):
                 if loader is not None:
                     if layer == 1:  # the rest of the set-up, off layer 0's critical path
                         hit = self._hold_rest(keys, hit, state)
+                        if state.inflight is None:
+                            state.inflight = self._read(keys, 1, hit, state)
                     assert state.inflight is not None
                     got: list[MemoryObj | None] = state.inflight.result()
                     state.inflight = None
@@ -480,13 +484,14 @@ class LayerwiseTransfer(TransferPath):
                     finally:
                         state.held.append((handle, objs))  # released once the copy is done (or failed)
                     state.release_done()
-                    if layer + 1 < num_layers:  # the next layer's reads overlap the forward pass
-                        state.inflight = self._read(keys, layer + 1, hit, state)
+                    if layer + 1 < num_layers and not (layer == 0 and defer_layer1):
+                        state.inflight = self._read(keys, layer + 1, hit, state)  # overlaps the forward pass
                 yield None
             # ---- last call: final ordering, release, mask
             if loader is not None:
                 next(loader)
             state.release()
+            ret = torch.zeros(req.num_tokens, dtype=torch.bool)
             if hit:
                 req.mark_written(ret, spans[0].start, spans[hit - 1].end)
             _touch_tail_to_head(sm, keys, hit)
