@@ -45,6 +45,7 @@ is closed (or garbage-collected) before its last call.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -450,7 +451,6 @@ class LayerwiseTransfer(TransferPath):
             keys = LayerKeys([s.key for s in spans], num_layers)
             hit = len(spans)
             sources: list[list[str]] = []
-            sizes: list[int] = []  # bytes of each hit chunk's layer-0 object
             want = _shapes(connector, spans)
             if hit:
                 loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
@@ -476,14 +476,14 @@ class LayerwiseTransfer(TransferPath):
                         hit = ok
                     release(got[hit:])
                     objs: list[MemoryObj] = got[:hit]  # type: ignore[assignment]
-                    if layer == 0:
-                        sizes = [o.get_size() for o in objs]
+                    state.release_done()  # layer 0's objects are released here, off its path
                     handle = None
                     try:
                         handle = loader.send(objs)
                     finally:
                         state.held.append((handle, objs))  # released once the copy is done (or failed)
-                    state.release_done()
+                    if layer:
+                        state.release_done()
                     if layer + 1 < num_layers and not (layer == 0 and defer_layer1):
                         state.inflight = self._read(keys, layer + 1, hit, state)  # overlaps the forward pass
                 yield None
@@ -497,7 +497,9 @@ class LayerwiseTransfer(TransferPath):
             _touch_tail_to_head(sm, keys, hit)
             if hit:
                 tiers = [h[0] if h else "unknown" for h in sources[:hit]]
-                ctx.count_loaded(spans[:hit], tiers, [n * num_layers for n in sizes[:hit]], ret)
+                itemsize = ctx.metadata.kv_dtype.itemsize
+                nbytes = [math.prod(shape) * itemsize * num_layers for shape in want[:hit]]  # every layer fitted its shape
+                ctx.count_loaded(spans[:hit], tiers, nbytes, ret)
             ctx.stats.add(hit_tokens=spans[hit - 1].end - spans[0].start if hit else 0)  # loaded chunks' tokens
             yield ret
         finally:

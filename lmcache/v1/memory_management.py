@@ -69,6 +69,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize  # no tensor allocation: this runs per entry in disk-index rebuilds
 
 
+_LAZY = torch.empty(0)  # MemoryObj._tensor of an object whose view is not made yet (never handed out)
+
+
 class MemoryObj:
     """A tensor view into pool memory with reference and pin counts.
 
@@ -90,7 +93,7 @@ class MemoryObj:
     ) -> None:
         self.meta = meta
         self._raw: torch.Tensor | None = raw
-        self._base: torch.Tensor | None = None
+        self._base: PoolReservation | None = None
         self._tensor: torch.Tensor | None = raw[: meta.nbytes].view(meta.dtype).view(meta.shape)
         self._allocator = allocator
         self._slab = slab
@@ -101,20 +104,18 @@ class MemoryObj:
         self._lock = threading.Lock()
 
     @classmethod
-    def _in_slab(
-        cls, meta: MemoryObjMetadata, tensor: torch.Tensor, base: torch.Tensor, allocator: PoolAllocator, slab: int, offset: int, size: int
-    ) -> MemoryObj:
-        """A pool object whose typed view is already built (``tensor``, at ``base[offset]``);
-        its uint8 view of ``base[offset : offset + size]`` is made on first use."""
+    def _in_reservation(cls, reservation: PoolReservation, offset: int) -> MemoryObj:
+        """A pool object at ``offset`` of ``reservation``'s slab; its tensor views are made on
+        first use (:attr:`tensor`, :attr:`byte_array`), so creating it costs no tensor op."""
         obj = cls.__new__(cls)
-        obj.meta = meta
+        obj.meta = reservation.meta
         obj._raw = None
-        obj._base = base
-        obj._tensor = tensor
-        obj._allocator = allocator
-        obj._slab = slab
+        obj._base = reservation
+        obj._tensor = _LAZY
+        obj._allocator = reservation._allocator
+        obj._slab = reservation._slab
         obj._offset = offset
-        obj._size = size
+        obj._size = reservation.size
         obj._ref = 1
         obj._pin = 0
         obj._lock = threading.Lock()
@@ -124,7 +125,7 @@ class MemoryObj:
         raw = self._raw
         if raw is None:
             assert self._base is not None
-            raw = self._raw = self._base[self._offset : self._offset + self._size]
+            raw = self._raw = self._base._buf[self._offset : self._offset + self._size]
         return raw
 
     @classmethod
@@ -138,7 +139,27 @@ class MemoryObj:
     @property
     def tensor(self) -> torch.Tensor | None:
         """The typed view, or None after the object has been freed."""
-        return self._tensor
+        t = self._tensor
+        if t is _LAZY:
+            with self._lock:
+                if self._tensor is _LAZY:
+                    self._tensor = self._base._typed_view(self._offset)
+                t = self._tensor
+        return t
+
+    def host_address(self) -> int | None:
+        """Address of the payload if the object is valid and lives in CPU memory, else None.
+
+        For pool objects (always CPU memory) this is arithmetic: no tensor is touched or
+        created, which is what the per-layer copy paths want."""
+        if self._tensor is None:
+            return None
+        if self._base is not None:
+            return self._base.address + self._offset
+        if self._allocator is not None:
+            return self._raw_view().data_ptr()
+        t = self.tensor
+        return t.data_ptr() if t is not None and t.device.type == "cpu" else None
 
     @property
     def byte_array(self) -> torch.Tensor:
@@ -200,6 +221,8 @@ class MemoryObj:
     @property
     def data_ptr(self) -> int:
         """Address of the payload's first byte."""
+        if self._base is not None:
+            return self._base.address + self._offset
         return self._raw_view().data_ptr()
 
     # ------------------------------------------------------------------ counts
@@ -438,7 +461,9 @@ class PoolReservation:
     (idempotent) when done, also on error paths.
     """
 
-    __slots__ = ("_allocator", "meta", "_slab", "_buf", "_typed", "_offset", "size", "count", "_taken", "_strides", "_released")
+    __slots__ = (
+        "_allocator", "meta", "_slab", "_buf", "_typed", "_offset", "size", "count", "_taken", "_strides", "_released", "address"
+    )
 
     def __init__(
         self,
@@ -467,17 +492,21 @@ class PoolReservation:
             step *= d
         self._strides = tuple(reversed(strides))
         self._released = False
+        self.address = buf.data_ptr()
+        """Address of the slab's first byte (objects are at ``address + their offset``)."""
 
     def take(self, i: int) -> MemoryObj:
         """Slot ``i`` as a new object (ref_count 1, caller owns it); each slot once."""
         if self._released or self._taken[i]:
             raise ValueError(f"slot {i}: already taken or the reservation was released")
         self._taken[i] = True
-        off = self._offset + i * self.size
+        return MemoryObj._in_reservation(self, self._offset + i * self.size)
+
+    def _typed_view(self, offset: int) -> torch.Tensor:
+        """The typed tensor of the object at slab byte ``offset``."""
         # as_strided's offset counts from the start of the storage, not of the slab's view
-        start = self._typed.storage_offset() + off // _itemsize(self.meta.dtype)
-        tensor = torch.as_strided(self._typed, self.meta.shape, self._strides, start)
-        return MemoryObj._in_slab(self.meta, tensor, self._buf, self._allocator, self._slab, off, self.size)
+        start = self._typed.storage_offset() + offset // _itemsize(self.meta.dtype)
+        return torch.as_strided(self._typed, self.meta.shape, self._strides, start)
 
     def release(self) -> None:
         """Return every slot never taken to the pool (idempotent)."""

@@ -469,9 +469,10 @@ def test_closing_a_retrieve_midway_releases_what_it_holds(steps):
     for _ in range(steps):
         next(gen)
     held = sum(o.ref_count > 1 for o in engine.storage_manager.local_cpu.resident_objects().values())
-    # set-up: layer 0's reads; layer 0 copied (all of it came from L1: layer 1's reads wait for
-    # the next call); layer 1: layers 2, 3 (the rest of the set-up); layer 2: layer 3
-    assert held == 2 * {1: 1, 2: 0, 3: 2, 4: 1}[steps]
+    # set-up: layer 0's reads; layer 0 copied (its objects are released by the next call, and
+    # all of it came from L1: layer 1's reads wait for that call too); layer 1: layers 2, 3 (the
+    # rest of the set-up); layer 2: layer 3
+    assert held == 2 * {1: 1, 2: 1, 3: 2, 4: 1}[steps]
     gen.close()
     resident_ok(engine)
     engine.close()

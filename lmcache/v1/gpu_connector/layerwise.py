@@ -286,12 +286,12 @@ class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
         def copy(layer: int, objs: Sequence[MemoryObj]) -> None:
             ptrs = []
             for j, obj in enumerate(objs):
-                t = obj.tensor
                 meta = obj.meta
-                if t is None or meta.shape != want[j] or meta.dtype != dtype or not t.is_cpu:
+                ptr = obj.host_address()  # pool objects: no tensor op
+                if ptr is None or meta.shape != want[j] or meta.dtype != dtype:
                     self._kernel_view(obj, starts[j], ends[j])  # raises the precise error
                     raise ValueError(f"MemoryObj {obj!r}: dtype {meta.dtype} or device does not match the KV ({dtype}, cpu)")
-                ptrs.append(t.data_ptr())
+                ptrs.append(ptr)
             run(layer, ptrs)
 
         return copy
