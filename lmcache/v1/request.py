@@ -358,9 +358,8 @@ def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torc
         return slot_mapping, 0
     if head.device.type == "cpu":
         arr = head.numpy()
-        top = int(arr.max())
-        neg = np.flatnonzero(arr < 0)
-        first_neg = int(neg[0]) if neg.size else n
+        lo, top = int(arr.min()), int(arr.max())
+        first_neg = n if lo >= 0 else int(np.argmax(arr < 0))  # no temporary array when nothing is negative
     else:
         negs = head < 0
         stats = torch.stack([head.max().to(torch.int64), torch.where(negs.any(), negs.int().argmax(), n).to(torch.int64)])

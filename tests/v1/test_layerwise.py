@@ -444,6 +444,53 @@ def test_eviction_order_is_tail_chunk_first_with_all_its_layers():
     engine.close()
 
 
+def test_a_store_into_a_full_pool_evicts_whole_old_chunks_and_keeps_its_own():
+    """Each chunk's layers are reserved as one block (evicting as needed); the older request
+    loses whole chunks from its tail, never the new request's layers."""
+    spec = KVSpec(num_layers=3)
+    engine = make_engine(spec, config(max_local_cpu_size=(12 * 4096) / GiB))  # 4 chunks x 3 layers
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 4 * CHUNK)
+    old, new = torch.arange(4 * CHUNK), torch.arange(9000, 9000 + 2 * CHUNK)
+    drive_store(engine.store_layer(old, kvcaches=kv, slot_mapping=slots))
+    assert engine.lookup(old) == 4 * CHUNK
+    drive_store(engine.store_layer(new, kvcaches=kv, slot_mapping=slots[: 2 * CHUNK]))
+    assert engine.lookup(new) == 2 * CHUNK and engine.lookup(old) == 2 * CHUNK
+    assert engine.stats.snapshot()["evictions"] == 2 * spec.num_layers
+    out = [torch.zeros_like(t) for t in kv]
+    _, mask = drive_retrieve(engine.retrieve_layer(new, kvcaches=out, slot_mapping=slots[: 2 * CHUNK]))
+    assert bool(mask.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots[: 2 * CHUNK], mask))
+    resident_ok(engine)
+    engine.close()
+
+
+def test_native_layer_plan_checks_layers_and_slots():
+    mod = native.load()
+    if mod is None:
+        pytest.skip("native kernels (lmcache._c_ops) are not built")
+    spec = KVSpec(num_layers=2, layout="flash_attn")
+    connector = make_connector(spec, CHUNK, layerwise=True)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 2 * CHUNK)
+    geom = connector.bind(2 * CHUNK, kvcaches=kv, slot_mapping=slots).geometry
+    with pytest.raises(ValueError, match="chunk 1"):
+        mod.layer_plan(native.SCATTER, kv, geom, slots, [0, CHUNK], [CHUNK, 2 * CHUNK])
+    bad = slots.clone()
+    bad[3] = spec.num_blocks * spec.block_size  # one past the cache
+    plan = mod.layer_plan(native.SCATTER, kv, geom, bad, [0], [CHUNK])
+    src = torch.zeros(2, 1, CHUNK, spec.hidden)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        plan.run(0, [src.data_ptr()])
+    odd = [kv[0], kv[1].transpose(1, 2)]  # same element count, other strides
+    plan = mod.layer_plan(native.GATHER, odd, geom, slots, [0], [CHUNK])
+    plan.run(0, [src.data_ptr()])
+    with pytest.raises(ValueError, match=r"kv_layers\[1\]"):
+        plan.run(1, [src.data_ptr()])
+    with pytest.raises(ValueError, match="pointers"):
+        plan.run(0, [src.data_ptr()] * 2)
+
+
 # ----------------------------------------------------------------------------- ownership
 def test_closing_a_store_midway_releases_memory_and_leaves_a_miss():
     spec = KVSpec(num_layers=4)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -72,3 +73,96 @@ def test_startup_does_not_scale_with_pool_size():
     obj = big.allocate((1024,), torch.uint8, MemoryFormat.BINARY)
     assert obj is not None and big.reserved_bytes <= big.slab_bytes
     del t_small, t_big
+
+
+# ----------------------------------------------------------------------------- reservations
+def _extent(obj: MemoryObj) -> tuple[int, int]:
+    """Byte range of an object's payload as its tensor sees it (checked against data_ptr)."""
+    t = obj.tensor
+    assert t is not None and t.is_contiguous()
+    assert t.data_ptr() == obj.data_ptr == obj.host_address() == obj.byte_array.data_ptr()
+    return t.data_ptr(), t.data_ptr() + obj.get_size()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "reserve", "take", "free", "release"]), st.integers(1, 20_000), st.integers(1, 6)),
+        max_size=50,
+    ),
+    st.sampled_from([torch.uint8, torch.bfloat16, torch.float32]),
+)
+def test_reservations_and_allocations_never_overlap(ops, dtype):
+    """Reserved slots become ordinary objects at their own page-aligned offsets; untaken
+    slots go back on release; nothing overlaps and every byte returns to the pool."""
+    alloc = PoolAllocator(256 * 1024, slab_bytes=64 * 1024)
+    live: list[MemoryObj] = []
+    open_res: list = []
+    for op, size, count in ops:
+        elems = max(1, size // dtype.itemsize)
+        if op == "alloc":
+            obj = alloc.allocate((elems,), dtype, MemoryFormat.BINARY)
+            if obj is not None:
+                live.append(obj)
+        elif op == "reserve":
+            res = alloc.reserve((elems,), dtype, MemoryFormat.BINARY, count)
+            if res is not None:
+                assert res.count == count and res.size % ALIGN == 0
+                open_res.append(res)
+        elif op == "take" and open_res:
+            res = open_res[size % len(open_res)]
+            free_slots = [i for i in range(res.count) if not res._taken[i]]
+            if free_slots:
+                obj = res.take(free_slots[0])
+                assert obj.ref_count == 1 and obj.shape == res.meta.shape and obj.dtype == dtype
+                live.append(obj)
+        elif op == "free" and live:
+            live.pop(size % len(live)).ref_count_down()
+        elif op == "release" and open_res:
+            open_res.pop(size % len(open_res)).release()
+        assert 0 <= alloc.used_bytes <= alloc.capacity
+        ranges = sorted(_extent(o) for o in live)
+        assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(lo % ALIGN == 0 for lo, _ in ranges)
+        for i, obj in enumerate(live):  # every object reads back its own bytes
+            obj.byte_array.fill_(i % 251)
+        assert all(bool((o.byte_array == i % 251).all()) for i, o in enumerate(live))
+    for res in open_res:
+        res.release()
+        res.release()  # idempotent
+    for obj in live:
+        obj.ref_count_down()
+    assert alloc.used_bytes == 0
+    assert alloc.allocate((64 * 1024,), torch.uint8, MemoryFormat.BINARY) is not None
+
+
+def test_reservation_slots_are_taken_once_and_views_are_made_on_demand():
+    alloc = PoolAllocator(1 << 20)
+    res = alloc.reserve((2, 1, 16, 8), torch.bfloat16, MemoryFormat.KV_2LTD, 4)
+    assert res is not None and alloc.used_bytes == 4 * ALIGN
+    obj = res.take(2)
+    assert obj._tensor is not None and obj.host_address() == res.address + res._offset + 2 * ALIGN
+    t = obj.tensor  # made on first use
+    assert t.shape == (2, 1, 16, 8) and t.dtype == torch.bfloat16 and t.data_ptr() == obj.data_ptr
+    t.fill_(3)
+    assert obj.tensor is t and bool((obj.byte_array.view(torch.bfloat16) == 3).all())
+    assert obj.raw_tensor is not None and obj.raw_tensor.numel() == ALIGN
+    with pytest.raises(ValueError, match="already taken"):
+        res.take(2)
+    res.release()
+    assert alloc.used_bytes == ALIGN  # the three untaken slots went back; the object keeps its page
+    with pytest.raises(ValueError):
+        res.take(0)
+    obj.ref_count_down()
+    assert alloc.used_bytes == 0 and obj.tensor is None and obj.host_address() is None and not obj.is_valid()
+
+
+def test_reserve_needs_one_contiguous_block():
+    alloc = PoolAllocator(8 * ALIGN, slab_bytes=8 * ALIGN)
+    objs = [alloc.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY) for _ in range(8)]
+    for obj in objs[::2]:
+        obj.ref_count_down()  # 4 free pages, none adjacent
+    assert alloc.reserve((ALIGN,), torch.uint8, MemoryFormat.BINARY, 2) is None
+    assert alloc.reserve((ALIGN,), torch.uint8, MemoryFormat.BINARY, 1) is not None
+    with pytest.raises(ValueError):
+        alloc.reserve((ALIGN,), torch.uint8, MemoryFormat.BINARY, 0)
