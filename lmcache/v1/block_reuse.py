@@ -22,15 +22,15 @@ Keys do not change (an entry is found by its chunk key as before), so engines wi
 different block sizes, or without this feature, share every tier's entries. The index
 lives in process memory only: after a restart, or for entries another process wrote
 to a shared disk or remote tier, reuse is whole chunks (plus exact tails) until this
-process stores the chunk again.
+process serves the chunk again (a retrieve that loads it, or a store that finds it).
 
-Cost: registering a chunk hashes its tokens once more (about 12 us per 256-token chunk
-at block size 16, one digest per chunk at block size 128); a retrieve that ends in a
-block prefix of a longer entry copies those tokens once more in CPU memory. Memory:
-at most ``chunk_size / block_size`` index entries per stored chunk, and never more
-than ``max_entries`` (about 150 bytes each; oldest dropped first), plus at most one
-block-aligned tail entry per stored prompt in the tiers (an ordinary entry, evicted
-like any other).
+Cost: registering a chunk hashes its tokens once more (about 20 us per 256-token chunk
+at block size 16, 5 us at block size 128: 0.6% / 0.1% of a Llama-3-8B-sized store); a
+retrieve that ends in a block prefix of a longer entry copies those tokens once more in
+CPU memory. Memory: at most ``chunk_size / block_size - 1`` index entries per cached
+chunk, and never more than ``max_entries`` (about 150 bytes each; the chunks indexed
+longest ago are dropped first), plus at most one block-aligned tail entry per stored
+prompt in the tiers (an ordinary entry, evicted like any other).
 
 Threads: :class:`BlockIndex` is thread-safe (lookups run on vLLM's scheduler thread,
 stores on the worker thread). Nothing here blocks except the tiers' ``contains``.
