@@ -141,7 +141,9 @@ class BlockReuse:
     ) -> None:
         chunk = token_database.chunk_size
         if type(block_size) is not int or block_size <= 0 or chunk % block_size or block_size >= chunk:
-            raise ValueError(f"block_size={block_size!r}: expected a positive int dividing chunk_size={chunk}, smaller")
+            raise ValueError(
+                f"block_size={block_size!r}: expected a positive int that divides chunk_size={chunk} and is smaller"
+            )
         self.token_database = token_database
         self.storage_manager = storage_manager
         self.block_size = block_size
