@@ -96,6 +96,37 @@ def _u64_array(values: Sequence[int]) -> ctypes.Array:
     return (ctypes.c_uint64 * max(1, len(values)))(*values)
 
 
+def _slots_on(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``slot_mapping`` as the contiguous int64 tensor on ``device`` the kernels read."""
+    if slot_mapping.dtype != torch.int64 or slot_mapping.device != device or not slot_mapping.is_contiguous():
+        return slot_mapping.to(device=device, dtype=torch.int64).contiguous()
+    return slot_mapping
+
+
+def _kernel_args(
+    direction: int, first: torch.Tensor, geom: PagedGeometry, slots: torch.Tensor, *,
+    num_layers: int, num_chunks: int, num_threads: int, flags: int, **pointers: int,
+) -> _Args:
+    """The argument block of one copy: geometry and sizes from ``geom``/``first``, plus
+    the given array addresses (``comps=...``, ``error_info=...``)."""
+    return _Args(
+        direction=direction,
+        elem_size=first.element_size(),
+        num_layers=num_layers,
+        num_comps=len(geom.components),
+        num_chunks=num_chunks,
+        num_blocks=geom.num_blocks,
+        block_size=geom.block_size,
+        num_heads=geom.num_heads,
+        head_size=geom.head_size,
+        num_slots=slots.shape[0],
+        num_threads=num_threads,
+        flags=flags,
+        slots=slots.data_ptr(),
+        **pointers,
+    )
+
+
 def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
     """[lo, hi) bytes spanned by a tensor's elements (non-negative strides)."""
     lo = t.data_ptr()
@@ -202,9 +233,7 @@ class NativeKernels:
                     f"kv_layers[{i}]: dtype/device/strides {layer.dtype}/{layer.device}/{layer.stride()} differ "
                     f"from layer 0 ({first.dtype}/{first.device}/{first.stride()})"
                 )
-        slots = slot_mapping
-        if slots.dtype != torch.int64 or slots.device != first.device or not slots.is_contiguous():
-            slots = slots.to(device=first.device, dtype=torch.int64).contiguous()
+        slots = _slots_on(slot_mapping, first.device)
         num_comps, num_layers, hidden = len(geom.components), len(layers), geom.hidden
         chunk_info: list[int] = []
         for i, (start, mem) in enumerate(zip(starts, mems)):
@@ -224,21 +253,9 @@ class NativeKernels:
         comps = [v for c in geom.components for v in c.as_tuple()]
         error_info = _i64_array([0, 0])
         arrays: dict[str, ctypes.Array] = {"error_info": error_info, "layer_blocks": _i64_array(blocks)}
-        args = _Args(
-            direction=direction,
-            elem_size=first.element_size(),
-            num_layers=num_layers,
-            num_comps=num_comps,
-            num_chunks=len(mems),
-            num_blocks=geom.num_blocks,
-            block_size=geom.block_size,
-            num_heads=geom.num_heads,
-            head_size=geom.head_size,
-            num_slots=slots.shape[0],
-            num_threads=self.num_threads,
-            flags=self.nt_mode,
-            slots=slots.data_ptr(),
-            error_info=ctypes.addressof(error_info),
+        args = _kernel_args(
+            direction, first, geom, slots, num_layers=num_layers, num_chunks=len(mems),
+            num_threads=self.num_threads, flags=self.nt_mode, error_info=ctypes.addressof(error_info),
         )
         layer_ptrs = [t.data_ptr() for t in layers]
         mem_ptrs = [t.data_ptr() for t in mems]
@@ -352,9 +369,7 @@ class LayerCopyPlan:
         first = layers[0]
         if first.device.type != "cpu":
             raise ValueError(f"kv_layers: a layer plan needs CPU tensors, got {first.device}")
-        slots = slot_mapping
-        if slots.dtype != torch.int64 or slots.device != first.device or not slots.is_contiguous():
-            slots = slots.to(device=first.device, dtype=torch.int64).contiguous()
+        slots = _slots_on(slot_mapping, first.device)
         hidden, num_comps, num_slots = geom.hidden, len(geom.components), slots.shape[0]
         chunk_info: list[int] = []
         for k, (start, count) in enumerate(zip(starts, counts)):
@@ -376,20 +391,9 @@ class LayerCopyPlan:
         self._layer_blocks = _i64_array(layer_block_counts([first], geom))
         self._error_info = _i64_array([0, 0])
         self._geom = geom
-        self._args = _Args(
-            direction=direction,
-            elem_size=first.element_size(),
-            num_layers=1,
-            num_comps=num_comps,
-            num_chunks=self._num_chunks,
-            num_blocks=geom.num_blocks,
-            block_size=geom.block_size,
-            num_heads=geom.num_heads,
-            head_size=geom.head_size,
-            num_slots=slots.shape[0],
-            num_threads=kernels.num_threads,
-            flags=kernels.nt_mode,
-            slots=slots.data_ptr(),
+        self._args = _kernel_args(
+            direction, first, geom, slots, num_layers=1, num_chunks=self._num_chunks,
+            num_threads=kernels.num_threads, flags=kernels.nt_mode,
             comps=ctypes.addressof(self._comps),
             layer_ptrs=ctypes.addressof(self._layer_ptrs),
             chunk_info=self._chunk_info.buffer_info()[0],
