@@ -237,6 +237,32 @@ def resident_bytes(path: str) -> int:
         os.close(fd)
 
 
+def timed_cold_reads(
+    disk: Any, keys: list[Any], first: Any, paths: list[str], times: dict[str, list[float]], left: list[int],
+    read_all: Callable[[], list[Any]],
+) -> None:
+    """Cold reads of one round, either side: drop the entries' pages, read them one by one
+    (``disk.get_blocking``; the first checked against ``first``), drop again, read them all
+    at once with ``read_all``. Appends to ``times["get"]``/``times["batched"]`` and the
+    bytes left cached after each drop to ``left``; releases what it read."""
+    left.append(drop_cache(paths))
+    t0 = time.perf_counter()
+    for i, key in enumerate(keys):
+        got = disk.get_blocking(key)
+        assert got is not None, "a stored chunk missed"
+        if i == 0 and not obj_bytes(got).equal(obj_bytes(first)):
+            raise RuntimeError("disk read returned other bytes")
+        got.ref_count_down()
+    times["get"].append(time.perf_counter() - t0)
+    left.append(drop_cache(paths))
+    t0 = time.perf_counter()
+    got_all = read_all()
+    times["batched"].append(time.perf_counter() - t0)
+    assert all(g is not None for g in got_all), "a stored chunk missed"
+    for g in got_all:
+        g.ref_count_down()
+
+
 def disk_chunks(args: argparse.Namespace) -> int:
     return max(1, args.disk_mib * (1 << 20) // (2 * LAYERS * CHUNK * HEADS * HEAD * 2))
 
@@ -334,22 +360,9 @@ def _our_disk(args: argparse.Namespace) -> dict[str, Any]:
                 disk.submit_put(key, obj)
             assert disk.flush(600), "flush timed out"
             times["store"].append(time.perf_counter() - t0)
-            left.append(drop_cache(paths))
-            t0 = time.perf_counter()
-            for i, key in enumerate(keys):
-                got = disk.get_blocking(key)
-                assert got is not None, "a stored chunk missed"
-                if i == 0 and not torch.equal(obj_bytes(got), obj_bytes(objs[0])):
-                    raise RuntimeError("disk read returned other bytes")
-                got.ref_count_down()
-            times["get"].append(time.perf_counter() - t0)
-            left.append(drop_cache(paths))
-            t0 = time.perf_counter()
-            got_all = [f.result() for f in [disk.get_non_blocking(k) for k in keys]]
-            times["batched"].append(time.perf_counter() - t0)
-            assert all(g is not None for g in got_all), "a stored chunk missed"
-            for g in got_all:
-                g.ref_count_down()
+            timed_cold_reads(
+                disk, keys, objs[0], paths, times, left, lambda: [f.result() for f in map(disk.get_non_blocking, keys)]
+            )
         for obj in objs:
             obj.ref_count_down()
     finally:
@@ -497,22 +510,7 @@ def _lmcache_disk(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
         times["written"].append(time.perf_counter() - t0)
         fdatasync_files(paths)  # LMCache never fsyncs: make the data durable as ours is
         times["store"].append(time.perf_counter() - t0)
-        left.append(drop_cache(paths))
-        t0 = time.perf_counter()
-        for i, key in enumerate(keys):
-            got = disk.get_blocking(key)
-            assert got is not None, "a stored chunk missed"
-            if i == 0 and not torch.equal(obj_bytes(got), obj_bytes(objs[0])):
-                raise RuntimeError("LMCache disk read returned other bytes")
-            got.ref_count_down()
-        times["get"].append(time.perf_counter() - t0)
-        left.append(drop_cache(paths))
-        t0 = time.perf_counter()
-        got_all = disk.batched_get_blocking(keys)
-        times["batched"].append(time.perf_counter() - t0)
-        assert all(g is not None for g in got_all), "a stored chunk missed"
-        for g in got_all:
-            g.ref_count_down()
+        timed_cold_reads(disk, keys, objs[0], paths, times, left, lambda: disk.batched_get_blocking(keys))
     for name, secs in times.items():
         summarize(name, secs, n * nbytes_chunk, out)
     out["disk_resident_after_drop"] = max(left) if left else 0
