@@ -103,6 +103,8 @@ def checked_kernels(tmp_path_factory):
 class Geometry:
     spec: KVSpec
     chunk: int
+    reuse_block: int | None = None
+    """Block size of block-granular reuse (None: whole chunks)."""
 
 
 @st.composite
@@ -116,12 +118,14 @@ def geometries(draw) -> Geometry:
         dtype=draw(st.sampled_from(DTYPES)),
         layout=draw(st.sampled_from(LAYOUT_NAMES)),
     )
-    return Geometry(spec, draw(st.sampled_from([2, 4, 8, 16])))
+    chunk = draw(st.sampled_from([2, 4, 8, 16]))
+    reuse_block = draw(st.sampled_from([None] + [b for b in (1, 2, 4, 8) if b < chunk]))
+    return Geometry(spec, chunk, reuse_block)
 
 
 def _engine(g: Geometry, layerwise: bool):
     cfg = LMCacheEngineConfig.from_dict({"chunk_size": g.chunk, "max_local_cpu_size": 0.02, "save_unfull_chunk": True})
-    return make_engine(g.spec, cfg, layerwise=layerwise)
+    return make_engine(g.spec, cfg, layerwise=layerwise, block_size=g.reuse_block)
 
 
 def _args(draw, g: Geometry, n: int, seed: int):
@@ -276,6 +280,12 @@ def test_public_api_fuzz(checked_kernels, data):
             _assert_round_trip(g, kv, slots, out, ret_slots, ret)
             hit = engine.lookup(tokens, **extras)
             assert 0 <= hit <= n
+            # a prefix that may end inside a stored chunk (block-granular reuse copies part of it)
+            m = data.draw(st.integers(1, n))
+            out = [torch.zeros_like(t) for t in kv]
+            ret = engine.retrieve(tokens[:m], **dict(extras, kvcaches=out, slot_mapping=ret_slots[:m]))
+            assert ret.shape == (m,) and not bool(ret[slots[:m] < 0].any())
+            _assert_round_trip(g, kv, slots, out, ret_slots, ret)
             return
         bad_tokens, bad_mask, bad_kw = _mutate(kind, g, tokens, mask, dict(kw))
         before = engine.storage_manager.allocator.used_bytes
