@@ -55,7 +55,7 @@ import torch
 
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
-from lmcache.v1.memory_management import MemoryObj, PoolReservation
+from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolReservation
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkSpan
@@ -180,7 +180,7 @@ class StoreOutcome:
 
 
 class _Preallocated:
-    """A chunk's objects allocated one by one (fallback when no contiguous reservation fits)."""
+    """One chunk's objects allocated one by one (fallback when no contiguous reservation fits)."""
 
     __slots__ = ("objs", "taken")
 
@@ -188,27 +188,60 @@ class _Preallocated:
         self.objs = objs
         self.taken = 0
 
-    def take(self, layer: int) -> MemoryObj:
+    @property
+    def num_chunks(self) -> int:
+        return 1
+
+    def take_layer(self, layer: int) -> list[MemoryObj]:
         self.taken = layer + 1
-        return self.objs[layer]
+        return [self.objs[layer]]
 
     def release(self) -> None:
         release(self.objs[self.taken :])
         self.objs = []
 
 
+class _Reserved:
+    """``num_chunks`` consecutive same-shape chunks in one :class:`PoolReservation`, chunk
+    major: slot ``j * num_layers + layer`` holds ``layer`` of chunk ``j``, so a chunk's
+    layers lie side by side as with one reservation per chunk (evicting a whole chunk
+    frees one contiguous block that the next request's reservation can use)."""
+
+    __slots__ = ("res", "num_chunks", "num_layers")
+
+    def __init__(self, res: PoolReservation, num_chunks: int, num_layers: int) -> None:
+        self.res = res
+        self.num_chunks = num_chunks
+        self.num_layers = num_layers
+
+    def take_layer(self, layer: int) -> list[MemoryObj]:
+        take, step = self.res.take, self.num_layers
+        return [take(j * step + layer) for j in range(self.num_chunks)]
+
+    def release(self) -> None:
+        self.res.release()
+
+
 @dataclass(slots=True)
 class _StoreState:
-    chunks: list[PoolReservation | _Preallocated] = field(default_factory=list)
+    groups: list[_Reserved | _Preallocated] = field(default_factory=list)  # the chunks, in order
+    num_chunks: int = 0
     objs: list[list[MemoryObj]] = field(default_factory=list)  # [layer][chunk], made layer by layer
     pending: list[LayerCopy] = field(default_factory=list)
     released: bool = False
+
+    def add(self, group: _Reserved | _Preallocated) -> None:
+        self.groups.append(group)
+        self.num_chunks += group.num_chunks
 
     def layer(self, layer: int) -> list[MemoryObj]:
         """Layer ``layer``'s objects (created from the reservations on first use; layers in order)."""
         while len(self.objs) <= layer:
             i = len(self.objs)
-            self.objs.append([c.take(i) for c in self.chunks])
+            objs: list[MemoryObj] = []
+            for group in self.groups:
+                objs += group.take_layer(i)
+            self.objs.append(objs)
         return self.objs[layer]
 
     def release(self) -> None:
@@ -220,8 +253,8 @@ class _StoreState:
                 handle.wait()  # a copy in flight still writes into the objects
         for layer_objs in self.objs:
             release(layer_objs)
-        for chunk in self.chunks:
-            chunk.release()
+        for group in self.groups:
+            group.release()
 
 
 class _LayerObjs(Sequence[MemoryObj]):
@@ -235,7 +268,7 @@ class _LayerObjs(Sequence[MemoryObj]):
         self._layer = layer
 
     def __len__(self) -> int:
-        return len(self._state.chunks)
+        return self._state.num_chunks
 
     def __getitem__(self, i):  # type: ignore[override]
         return self._state.layer(self._layer)[i]
@@ -363,7 +396,9 @@ class LayerwiseTransfer(TransferPath):
             keys = LayerKeys([s.key for s in spans], num_layers)
             # one batched lookup per layer (one round trip per remote tier): skip the cached prefix
             cached = sm.batched_lookup(keys).hits if spans else 0
-            todo = [j for j in range(cached, len(spans)) if not all(sm.is_resident(kl[j]) for kl in keys)]
+            # chunks after the prefix that L1 holds for every layer (layer 0 probed in one batch)
+            held0 = sm.resident_flags(keys[0][cached:]) if spans else []
+            todo = [j for j, h in enumerate(held0, cached) if not (h and all(sm.is_resident(kl[j]) for kl in keys))]
             todo = self._reserve(connector, spans, todo, state)
             spans = [spans[j] for j in todo]
             keys = LayerKeys([s.key for s in spans], num_layers)
@@ -396,34 +431,58 @@ class LayerwiseTransfer(TransferPath):
             state.release()
 
     def _reserve(self, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState) -> list[int]:
-        """Reserve the pool bytes of every layer of the ``todo`` chunks, chunk by chunk (one
-        contiguous block per chunk, or, when none fits, one allocation per layer); returns
-        the chunks that got all their layers.
+        """Reserve the pool bytes of every layer of the ``todo`` chunks; returns the chunks
+        that got all their layers (a prefix of ``todo``).
 
-        On pool exhaustion the remaining chunks are skipped (counted, logged once); a
-        chunk is never stored with some layers missing. The objects themselves are
-        created layer by layer (:meth:`_StoreState.layer`).
+        Runs of consecutive same-shape chunks (a request's full chunks) share one
+        contiguous reservation (:class:`_Reserved`), as many chunks per reservation as a
+        slab holds: one allocator call per request instead of one per chunk. When the
+        pool has no such block, chunk by chunk: one block per chunk, or, when none fits,
+        one allocation per layer. On pool exhaustion the remaining chunks are skipped
+        (counted, logged once); a chunk is never stored with some layers missing. The
+        objects themselves are created layer by layer (:meth:`_StoreState.layer`).
         """
         num_layers = self.num_layers
         sm = self.ctx.storage_manager
         dtype, fmt = self.ctx.metadata.kv_dtype, connector.fmt
         shapes = _shapes(connector, [spans[j] for j in todo])
-        for n_done, shape in enumerate(shapes):
-            chunk: PoolReservation | _Preallocated | None = sm.reserve(shape, dtype, fmt, num_layers)
-            if chunk is None:
-                objs: list[MemoryObj] = []
-                for _ in range(num_layers):
-                    obj = sm.allocate(shape, dtype, fmt)
-                    if obj is None:
-                        break
-                    objs.append(obj)
-                if len(objs) < num_layers:
-                    release(objs)
+        i = 0
+        while i < len(shapes):
+            shape = shapes[i]
+            chunk_bytes = num_layers * -(-max(math.prod(shape) * dtype.itemsize, 1) // ALIGN) * ALIGN
+            end = i + 1
+            limit = i + max(1, sm.max_reservation_bytes // chunk_bytes)
+            while end < min(len(shapes), limit) and shapes[end] == shape:
+                end += 1
+            res = sm.reserve(shape, dtype, fmt, num_layers * (end - i)) if end - i > 1 else None
+            if res is not None:
+                state.add(_Reserved(res, end - i, num_layers))
+                i = end
+                continue
+            for n_done in range(i, end):  # chunk by chunk
+                if not self._reserve_chunk(shape, dtype, fmt, state):
                     self.ctx.pool_full(len(todo) - n_done)
                     return todo[:n_done]
-                chunk = _Preallocated(objs)
-            state.chunks.append(chunk)
+            i = end
         return todo
+
+    def _reserve_chunk(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat, state: _StoreState) -> bool:
+        """Reserve one chunk's layers into ``state``; False when the pool has no room."""
+        num_layers = self.num_layers
+        sm = self.ctx.storage_manager
+        res = sm.reserve(shape, dtype, fmt, num_layers)
+        if res is not None:
+            state.add(_Reserved(res, 1, num_layers))
+            return True
+        objs: list[MemoryObj] = []
+        for _ in range(num_layers):
+            obj = sm.allocate(shape, dtype, fmt)
+            if obj is None:
+                release(objs)
+                return False
+            objs.append(obj)
+        state.add(_Preallocated(objs))
+        return True
 
     # ------------------------------------------------------------------ retrieve
     def retrieve_layer(self, req: TransferRequest) -> Iterator[torch.Tensor | None]:

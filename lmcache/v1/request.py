@@ -186,7 +186,10 @@ def tokens_to_array(tokens: object) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens: expected a 1-D integer tensor, got shape {tuple(tokens.shape)} {tokens.dtype}")
-        arr = tokens.detach().to("cpu").numpy()
+        try:
+            arr = tokens.numpy()  # a CPU tensor without grad: a view, one call
+        except (RuntimeError, TypeError):
+            arr = tokens.detach().to("cpu").numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
@@ -353,14 +356,14 @@ def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torc
         raise ValueError(f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.shape[0] < n:
         raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries; expected at least {n} (one per token)")
-    head = slot_mapping[:n]
     if n == 0:
         return slot_mapping, 0
-    if head.device.type == "cpu":
-        arr = head.numpy()
+    if slot_mapping.device.type == "cpu":
+        arr = slot_mapping.numpy()[:n]
         lo, top = int(arr.min()), int(arr.max())
         first_neg = n if lo >= 0 else int(np.argmax(arr < 0))  # no temporary array when nothing is negative
     else:
+        head = slot_mapping[:n]
         negs = head < 0
         stats = torch.stack([head.max().to(torch.int64), torch.where(negs.any(), negs.int().argmax(), n).to(torch.int64)])
         top, first_neg = stats.tolist()

@@ -415,6 +415,24 @@ def test_store_skips_cached_chunks_and_stops_at_the_first_negative_slot():
     engine.close()
 
 
+def test_store_skips_later_chunks_resident_for_every_layer_only():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 4 * CHUNK)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    sm = engine.storage_manager
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    assert sm.remove(keys[0][0])  # chunk 0 misses layer 0: nothing cached from the start
+    assert sm.remove(keys[1][2])  # chunk 2 misses layer 1
+    puts: list[list] = []
+    original = sm.batched_put
+    sm.batched_put = lambda k, objs: (puts.append(list(k)), original(k, objs))  # type: ignore[method-assign]
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert puts == [[keys[layer][0], keys[layer][2]] for layer in range(spec.num_layers)]
+    assert engine.lookup(tokens) == 4 * CHUNK
+    resident_ok(engine)
+    engine.close()
+
+
 def test_full_pool_stores_whole_chunks_only():
     spec = KVSpec(num_layers=3)
     engine = make_engine(spec, config(max_local_cpu_size=(7 * 4096) / GiB))  # 7 pages: 2 chunks of 3 layers
@@ -461,6 +479,69 @@ def test_a_store_into_a_full_pool_evicts_whole_old_chunks_and_keeps_its_own():
     _, mask = drive_retrieve(engine.retrieve_layer(new, kvcaches=out, slot_mapping=slots[: 2 * CHUNK]))
     assert bool(mask.all())
     assert_paged_equal(out, expected_paged(kv, spec, slots[: 2 * CHUNK], mask))
+    resident_ok(engine)
+    engine.close()
+
+
+def _count_reservations(engine: LMCacheEngine) -> list[int]:
+    counts: list[int] = []
+    sm = engine.storage_manager
+    original = sm.reserve
+    sm.reserve = lambda shape, dtype, fmt, count: (counts.append(count), original(shape, dtype, fmt, count))[1]  # type: ignore[method-assign]
+    return counts
+
+
+def test_store_reserves_a_requests_same_shape_chunks_in_one_pool_call():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 4 * CHUNK + 5, save_unfull_chunk=True)
+    counts = _count_reservations(engine)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert counts == [4 * spec.num_layers, spec.num_layers]  # the four full chunks, then the partial one
+    out = [torch.zeros_like(t) for t in kv]
+    _, mask = drive_retrieve(engine.retrieve_layer(tokens, kvcaches=out, slot_mapping=slots))
+    assert int(mask.sum()) == 4 * CHUNK + 5
+    assert_paged_equal(out, expected_paged(kv, spec, slots, mask))
+    resident_ok(engine)
+    engine.close()
+
+
+def test_store_reservations_fall_back_to_one_per_chunk_in_a_fragmented_pool():
+    """Free pool bytes in holes of one chunk each: the request's shared reservation does not
+    fit, each chunk's does, and nothing is evicted."""
+    spec = KVSpec(num_layers=3)
+    engine = make_engine(spec, config(max_local_cpu_size=(12 * 4096) / GiB))  # 4 chunks x 3 layers
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 4 * CHUNK)
+    old, new = torch.arange(4 * CHUNK), torch.arange(9000, 9000 + 2 * CHUNK)
+    drive_store(engine.store_layer(old, kvcaches=kv, slot_mapping=slots))
+    sm = engine.storage_manager
+    old_keys = layer_keys(engine.keys(old), spec.num_layers)
+    for chunk in (1, 3):
+        for layer in range(spec.num_layers):
+            assert sm.remove(old_keys[layer][chunk])
+    counts = _count_reservations(engine)
+    drive_store(engine.store_layer(new, kvcaches=kv, slot_mapping=slots[: 2 * CHUNK]))
+    assert counts == [2 * spec.num_layers, spec.num_layers, spec.num_layers]
+    assert engine.stats.snapshot()["evictions"] == 0
+    assert engine.lookup(new) == 2 * CHUNK
+    assert all(sm.is_resident(old_keys[layer][chunk]) for chunk in (0, 2) for layer in range(spec.num_layers))
+    out = [torch.zeros_like(t) for t in kv]
+    _, mask = drive_retrieve(engine.retrieve_layer(new, kvcaches=out, slot_mapping=slots[: 2 * CHUNK]))
+    assert bool(mask.all())
+    assert_paged_equal(out, expected_paged(kv, spec, slots[: 2 * CHUNK], mask))
+    resident_ok(engine)
+    engine.close()
+
+
+def test_store_reservations_never_exceed_one_slab():
+    spec = KVSpec(num_layers=3)
+    engine, kv, slots, tokens = setup(spec, 5 * CHUNK)
+    sm = engine.storage_manager
+    sm.local_cpu.allocator.slab_bytes = 2 * spec.num_layers * 4096  # two chunks per slab
+    counts = _count_reservations(engine)
+    drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
+    assert counts == [2 * spec.num_layers, 2 * spec.num_layers, spec.num_layers]
+    assert engine.lookup(tokens) == 5 * CHUNK
     resident_ok(engine)
     engine.close()
 

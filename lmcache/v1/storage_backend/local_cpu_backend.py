@@ -120,6 +120,12 @@ class LocalCPUBackend(StorageBackend):
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
 
+    def resident_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """For each key, whether this tier holds it (one lock hold; no pins, no recency change)."""
+        with self._lock:
+            index = self._index
+            return [key in index for key in keys]
+
     def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
         if not pin:
             with self._lock:

@@ -109,6 +109,15 @@ class StorageManager:
         needed; None if the pool has no contiguous room for them (use :meth:`allocate`)."""
         return self.local_cpu.reserve(shape, dtype, fmt, count)
 
+    @property
+    def max_reservation_bytes(self) -> int:
+        """The most bytes one :meth:`reserve` can ever book (one slab of the L1 pool)."""
+        return self.local_cpu.allocator.slab_bytes
+
+    def resident_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """For each key, whether L1 holds it (one in-memory probe under one lock; never I/O)."""
+        return self.local_cpu.resident_flags(keys)
+
     # ------------------------------------------------------------------ writes
     def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         """Store objects in L1 and submit them to the lower tiers.
