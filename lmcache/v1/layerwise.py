@@ -103,6 +103,17 @@ class LayerKeys(Sequence[list[LayerCacheEngineKey]]):
         self._rows = [_row(k, num_layers) for k in self._chunks]
         self._layers: list[list[LayerCacheEngineKey] | None] = [None] * num_layers
 
+    def select(self, chunks: Sequence[int]) -> LayerKeys:
+        """The layer keys of the chunks at ``chunks`` (positions into this request's chunks),
+        sharing the rows already looked up; ``self`` when that is every chunk in order."""
+        if len(chunks) == len(self._chunks) and all(i == j for i, j in enumerate(chunks)):
+            return self
+        out = LayerKeys.__new__(LayerKeys)
+        out._chunks = [self._chunks[j] for j in chunks]
+        out._rows = [self._rows[j] for j in chunks]
+        out._layers = [None] * len(self._layers)
+        return out
+
     def __len__(self) -> int:
         return len(self._layers)
 
@@ -215,8 +226,7 @@ class _Reserved:
         self.num_layers = num_layers
 
     def take_layer(self, layer: int) -> list[MemoryObj]:
-        take, step = self.res.take, self.num_layers
-        return [take(j * step + layer) for j in range(self.num_chunks)]
+        return self.res.take_many(range(layer, self.num_chunks * self.num_layers, self.num_layers))
 
     def release(self) -> None:
         self.res.release()
@@ -401,7 +411,7 @@ class LayerwiseTransfer(TransferPath):
             todo = [j for j, h in enumerate(held0, cached) if not (h and all(sm.is_resident(kl[j]) for kl in keys))]
             todo = self._reserve(connector, spans, todo, state)
             spans = [spans[j] for j in todo]
-            keys = LayerKeys([s.key for s in spans], num_layers)
+            keys = keys.select(todo)
             copier = None
             if spans:
                 objs_per_layer = [_LayerObjs(state, layer) for layer in range(num_layers)]
@@ -450,9 +460,8 @@ class LayerwiseTransfer(TransferPath):
         while i < len(shapes):
             shape = shapes[i]
             chunk_bytes = num_layers * -(-max(math.prod(shape) * dtype.itemsize, 1) // ALIGN) * ALIGN
-            end = i + 1
-            limit = i + max(1, sm.max_reservation_bytes // chunk_bytes)
-            while end < min(len(shapes), limit) and shapes[end] == shape:
+            end, stop = i + 1, min(len(shapes), i + max(1, sm.max_reservation_bytes // chunk_bytes))
+            while end < stop and shapes[end] == shape:
                 end += 1
             res = sm.reserve(shape, dtype, fmt, num_layers * (end - i)) if end - i > 1 else None
             if res is not None:

@@ -20,6 +20,7 @@ import enum
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -501,6 +502,23 @@ class PoolReservation:
             raise ValueError(f"slot {i}: already taken or the reservation was released")
         self._taken[i] = True
         return MemoryObj._in_reservation(self, self._offset + i * self.size)
+
+    def take_many(self, slots: Iterable[int]) -> list[MemoryObj]:
+        """:meth:`take` of each of ``slots``, in order (one call for a whole layer of a
+        request); takes none if any was taken already."""
+        if self._released:
+            raise ValueError("take_many: the reservation was released")
+        slots = list(slots)
+        taken = self._taken
+        for i in slots:
+            if taken[i]:
+                raise ValueError(f"slot {i}: already taken")  # before any is taken: nothing leaks
+        base, size, make = self._offset, self.size, MemoryObj._in_reservation
+        out = []
+        for i in slots:
+            taken[i] = True
+            out.append(make(self, base + i * size))
+        return out
 
     def _typed_view(self, offset: int) -> torch.Tensor:
         """The typed tensor of the object at slab byte ``offset``."""

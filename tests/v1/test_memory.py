@@ -157,6 +157,22 @@ def test_reservation_slots_are_taken_once_and_views_are_made_on_demand():
     assert alloc.used_bytes == 0 and obj.tensor is None and obj.host_address() is None and not obj.is_valid()
 
 
+def test_reservation_take_many_is_take_in_order():
+    alloc = PoolAllocator(1 << 20)
+    res = alloc.reserve((2, 1, 16, 8), torch.bfloat16, MemoryFormat.KV_2LTD, 6)
+    assert res is not None
+    objs = res.take_many(range(1, 6, 2))
+    assert [o.host_address() for o in objs] == [res.address + res._offset + i * ALIGN for i in (1, 3, 5)]
+    assert all(o.get_ref_count() == 1 and o.meta == res.meta for o in objs)
+    with pytest.raises(ValueError, match="already taken"):
+        res.take_many([0, 3])
+    assert res.take(4).host_address() == res.address + res._offset + 4 * ALIGN
+    res.release()
+    with pytest.raises(ValueError, match="released"):
+        res.take_many([2])
+    assert alloc.used_bytes == 4 * ALIGN  # the failed call took nothing: slots 0 and 2 went back
+
+
 def test_reserve_needs_one_contiguous_block():
     alloc = PoolAllocator(8 * ALIGN, slab_bytes=8 * ALIGN)
     objs = [alloc.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY) for _ in range(8)]

@@ -195,9 +195,10 @@ class LayerwiseGPUConnector(PagedKVBase):
         _check_spans(starts, ends)
         if len(objs_per_layer) != self.num_layers:
             raise ValueError(f"objs_per_layer: expected {self.num_layers} layers, got {len(objs_per_layer)}")
+        n = len(starts)
         for layer, objs in enumerate(objs_per_layer):
-            if len(objs) != len(starts):
-                raise ValueError(f"objs_per_layer[{layer}]: expected {len(starts)} objects, got {len(objs)}")
+            if len(objs) != n:
+                raise ValueError(f"objs_per_layer[{layer}]: expected {n} objects, got {len(objs)}")
         kv = self._bound(kv, ends, kwargs)
         return self._from_gpu_steps(
             list(kv.kvcaches), kv.slot_mapping, kv.geometry, objs_per_layer, list(starts), list(ends), kv.sync

@@ -154,14 +154,12 @@ class LocalCPUBackend(StorageBackend):
         tail to the head so the head is the most recent entry. ``None`` objects are
         skipped. With ``retain=False`` nothing is inserted. The listener is told about
         the inserted keys (``"stored"``), tail first."""
-        inserted: list[CacheEngineKey] = []
         with self._lock:
-            for key, obj in zip(reversed(keys), reversed(objs)):
-                if self._index.touch(key) or obj is None or not self.retain:
-                    continue
-                obj.ref_count_up()
-                self._index.insert(key, obj, obj.get_physical_size())
-                inserted.append(key)
+            if not self.retain:
+                self._index.touch_sequence(keys)
+                inserted: list[CacheEngineKey] = []
+            else:
+                inserted = self._index.admit(keys, objs, MemoryObj.get_physical_size, MemoryObj.ref_count_up)
         self._notify("stored", inserted)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:

@@ -129,6 +129,24 @@ class ResidentIndex(Generic[K, V]):
         self.policy.on_insert(key)
         return old
 
+    def admit(self, keys: Sequence[K], values: Sequence[V | None], size_of: Callable[[V], int], take: Callable[[V], None]) -> list[K]:
+        """One sequence's entries (``keys`` head first), visited tail first: a present key is
+        touched; an absent one with a value is indexed after ``take(value)`` (the caller's
+        hook for taking its reference). Returns the inserted keys, tail first."""
+        slots, on_hit, on_insert = self._slots, self.policy.on_hit, self.policy.on_insert
+        inserted: list[K] = []
+        for key, value in zip(reversed(keys), reversed(values)):
+            if key in slots:
+                on_hit(key)
+            elif value is not None:
+                take(value)
+                size = size_of(value)
+                slots[key] = _Slot(value, size, 0)
+                self.used += size
+                on_insert(key)
+                inserted.append(key)
+        return inserted
+
     def pop(self, key: K) -> V | None:
         """Remove ``key``; its value (the caller releases it) or None."""
         slot = self._slots.pop(key, None)

@@ -288,10 +288,10 @@ class StorageManager:
         """
         found = len(keys_per_layer[0]) if keys_per_layer else 0
         pinned: list[CacheEngineKey] = []
-        for layer_list in keys_per_layer:
+        for layer in range(len(keys_per_layer)):
             if not found:
                 break
-            candidates = layer_list[:found]
+            candidates = keys_per_layer[layer][:found]  # a layer's keys are only made when asked for
             hit = self.local_cpu.batched_contains(candidates, pin)
             if pin:
                 pinned.extend(candidates[:hit])
