@@ -376,7 +376,8 @@ class LayerCopyPlan:
             if count <= 0 or start < 0 or start + count > num_slots:
                 raise ValueError(f"chunk {k}: tokens [{start}, {start + count}) outside the slot mapping ({num_slots} entries)")
             chunk_info += (start, count, count * hidden, count * hidden, hidden)
-        self.mem_bytes = [num_comps * count * hidden * first.element_size() for count in counts]
+        row_bytes = num_comps * hidden * first.element_size()
+        self.mem_bytes = [count * row_bytes for count in counts]
         """Bytes of each chunk's memory tensor (what :meth:`run` may touch from its pointer)."""
         self._kernels = kernels
         self._slots = slots  # keeps the converted slot tensor alive while the plan exists
@@ -386,7 +387,7 @@ class LayerCopyPlan:
         self._num_chunks = len(counts)
         self._comps = _i64_array([v for c in geom.components for v in c.as_tuple()])
         self._chunk_info = array.array("q", chunk_info)  # ~5x faster to build than a ctypes array
-        self._mem_ptrs = _u64_array([0] * self._num_chunks)
+        self._mem_ptrs = (ctypes.c_uint64 * max(1, self._num_chunks))()
         self._layer_ptrs = _u64_array([0])
         self._layer_blocks = _i64_array(layer_block_counts([first], geom))
         self._error_info = _i64_array([0, 0])
