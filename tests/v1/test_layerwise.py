@@ -465,16 +465,27 @@ def test_eviction_order_is_tail_chunk_first_with_all_its_layers():
 def test_a_store_into_a_full_pool_evicts_whole_old_chunks_and_keeps_its_own():
     """Each chunk's layers are reserved as one block (evicting as needed); the older request
     loses whole chunks from its tail, never the new request's layers."""
+    spec, engine, kv, slots, old, new = _full_pool_of_an_old_request()
+    drive_store(engine.store_layer(new, kvcaches=kv, slot_mapping=slots[: 2 * CHUNK]))
+    assert engine.lookup(new) == 2 * CHUNK and engine.lookup(old) == 2 * CHUNK
+    assert engine.stats.snapshot()["evictions"] == 2 * spec.num_layers
+    _assert_new_request_reads_back(spec, engine, kv, slots, new)
+
+
+def _full_pool_of_an_old_request():
+    """An engine whose pool (4 chunks x 3 layers) is full with the 4 chunks of ``old``;
+    ``new`` is a 2-chunk request over the first slots."""
     spec = KVSpec(num_layers=3)
-    engine = make_engine(spec, config(max_local_cpu_size=(12 * 4096) / GiB))  # 4 chunks x 3 layers
+    engine = make_engine(spec, config(max_local_cpu_size=(12 * 4096) / GiB))
     kv = random_kv_caches(spec)
     slots = random_slot_mapping(spec, 4 * CHUNK)
     old, new = torch.arange(4 * CHUNK), torch.arange(9000, 9000 + 2 * CHUNK)
     drive_store(engine.store_layer(old, kvcaches=kv, slot_mapping=slots))
     assert engine.lookup(old) == 4 * CHUNK
-    drive_store(engine.store_layer(new, kvcaches=kv, slot_mapping=slots[: 2 * CHUNK]))
-    assert engine.lookup(new) == 2 * CHUNK and engine.lookup(old) == 2 * CHUNK
-    assert engine.stats.snapshot()["evictions"] == 2 * spec.num_layers
+    return spec, engine, kv, slots, old, new
+
+
+def _assert_new_request_reads_back(spec, engine, kv, slots, new) -> None:
     out = [torch.zeros_like(t) for t in kv]
     _, mask = drive_retrieve(engine.retrieve_layer(new, kvcaches=out, slot_mapping=slots[: 2 * CHUNK]))
     assert bool(mask.all())
@@ -508,12 +519,7 @@ def test_store_reserves_a_requests_same_shape_chunks_in_one_pool_call():
 def test_store_reservations_fall_back_to_one_per_chunk_in_a_fragmented_pool():
     """Free pool bytes in holes of one chunk each: the request's shared reservation does not
     fit, each chunk's does, and nothing is evicted."""
-    spec = KVSpec(num_layers=3)
-    engine = make_engine(spec, config(max_local_cpu_size=(12 * 4096) / GiB))  # 4 chunks x 3 layers
-    kv = random_kv_caches(spec)
-    slots = random_slot_mapping(spec, 4 * CHUNK)
-    old, new = torch.arange(4 * CHUNK), torch.arange(9000, 9000 + 2 * CHUNK)
-    drive_store(engine.store_layer(old, kvcaches=kv, slot_mapping=slots))
+    spec, engine, kv, slots, old, new = _full_pool_of_an_old_request()
     sm = engine.storage_manager
     old_keys = layer_keys(engine.keys(old), spec.num_layers)
     for chunk in (1, 3):
@@ -525,12 +531,7 @@ def test_store_reservations_fall_back_to_one_per_chunk_in_a_fragmented_pool():
     assert engine.stats.snapshot()["evictions"] == 0
     assert engine.lookup(new) == 2 * CHUNK
     assert all(sm.is_resident(old_keys[layer][chunk]) for chunk in (0, 2) for layer in range(spec.num_layers))
-    out = [torch.zeros_like(t) for t in kv]
-    _, mask = drive_retrieve(engine.retrieve_layer(new, kvcaches=out, slot_mapping=slots[: 2 * CHUNK]))
-    assert bool(mask.all())
-    assert_paged_equal(out, expected_paged(kv, spec, slots[: 2 * CHUNK], mask))
-    resident_ok(engine)
-    engine.close()
+    _assert_new_request_reads_back(spec, engine, kv, slots, new)
 
 
 def test_store_reservations_never_exceed_one_slab():
