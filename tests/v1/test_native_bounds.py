@@ -210,12 +210,12 @@ def asan_build(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return lib, env
 
 
-@pytest.mark.parametrize("isa", ["default", "sse2"])
+@pytest.mark.parametrize("isa", ["default", "avx2", "sse2"])
 def test_asan_ubsan_build_random_shapes(tmp_path, isa):
     lib, env = asan_build(tmp_path)
     env["LMCACHE_TEST_GUARD_BYTES"] = "0"
-    if isa == "sse2":
-        env["LMCACHE_NATIVE_ISA"] = "sse2"
+    if isa != "default":
+        env["LMCACHE_NATIVE_ISA"] = isa
     driver = _ASAN_DRIVER.format(tests=str(Path(__file__).parent))
     out = subprocess.run(
         [sys.executable, "-c", driver, str(lib), "7", "40"],

@@ -205,8 +205,10 @@ def test_matches_fallback_random_shapes(
     check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=seed)
 
 
-def test_sse2_and_scalar_paths_match(lib_path, tmp_path):
-    """LMCACHE_NATIVE_ISA=sse2 (no AVX2) and a -DLMC_NO_SIMD build (what non-x86 runs) agree."""
+@pytest.mark.parametrize("isa", ["sse2", "avx2"])
+def test_capped_isa_and_scalar_paths_match(lib_path, tmp_path, isa):
+    """LMCACHE_NATIVE_ISA=sse2 (no AVX2) / avx2 (no AVX-512) and a -DLMC_NO_SIMD build (what
+    non-x86 runs) agree; the shapes include runs and heads of 32+ rows (the widest tiles)."""
     script = "\n".join(
         [
             "import sys, torch",
@@ -214,8 +216,9 @@ def test_sse2_and_scalar_paths_match(lib_path, tmp_path):
             "from test_native_kernels import *",
             "for layout in LAYOUT_NAMES:",
             "  for dtype in DTYPES:",
-            "    spec = KVSpec(num_layers=2, num_heads=2, head_size=24, num_blocks=12, block_size=16, dtype=dtype,",
-            "                  layout=layout)",
+            "   for block_size, head_size in ((16, 24), (32, 40)):",
+            "    spec = KVSpec(num_layers=2, num_heads=2, head_size=head_size, num_blocks=12, block_size=block_size,",
+            "                  dtype=dtype, layout=layout)",
             "    gen = torch.Generator().manual_seed(1)",
             "    slots = slot_mapping(spec, 150, 'offset', gen); starts, counts = chunking(150, gen)",
             "    for nt in (native.NT_NEVER, native.NT_ALWAYS):",
@@ -223,7 +226,7 @@ def test_sse2_and_scalar_paths_match(lib_path, tmp_path):
             "print('ok')",
         ]
     )
-    env = dict(os.environ, LMCACHE_NATIVE_ISA="sse2")
+    env = dict(os.environ, LMCACHE_NATIVE_ISA=isa)
     builds = [lib_path]
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx:

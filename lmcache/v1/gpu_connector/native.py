@@ -18,8 +18,9 @@ Environment:
   (used to run a bounds-checked or sanitizer build);
 * ``LMCACHE_NATIVE_THREADS``: worker threads per CPU call (default 1; more only helps on
   an idle machine with spare cores);
-* ``LMCACHE_NATIVE_ISA=sse2``: read by the library when it loads; disables its AVX2 paths
-  (tests use it to cover the SSE2 ones);
+* ``LMCACHE_NATIVE_ISA=sse2`` / ``avx2``: read by the library when it loads; caps the
+  instruction set its x86 paths use (default: the widest the CPU has, up to AVX-512BW; tests
+  use it to cover the narrower paths);
 * ``LMCACHE_USE_NATIVE=0`` (read by :mod:`.copy_ops`): always use the torch fallback.
 """
 
