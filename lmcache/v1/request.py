@@ -27,6 +27,7 @@ a :class:`PagedKV` references the caller's tensors for the duration of the call 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,22 @@ NO_EXTRAS = KeyExtras()
 
 
 # ---------------------------------------------------------------------- tokens and masks
+try:  # optional native module (setup.py); the numpy path gives the same arrays without it
+    from lmcache._keyhash import tokens_int32 as _tokens_int32
+except ImportError:  # pragma: no cover - depends on the build
+    _tokens_int32 = None
+
+
+def _native_int32(tokens: object) -> np.ndarray | None:
+    """``tokens`` (an exact list / tuple of ints, or an int64 array) as int32 in one C pass
+    that also checks the range; None when the native module is missing, disabled
+    (``LMCACHE_NATIVE_HASH=0``) or declines the input."""
+    if _tokens_int32 is None or os.environ.get("LMCACHE_NATIVE_HASH", "1") == "0":
+        return None
+    raw = _tokens_int32(tokens)
+    return None if raw is None else np.frombuffer(raw, dtype="<i4")
+
+
 def tokens_to_array(tokens: object) -> np.ndarray:
     """Token ids as a contiguous little-endian int32 array (no per-token Python loop).
 
@@ -197,6 +214,9 @@ def tokens_to_array(tokens: object) -> np.ndarray:
     elif not len(tokens):
         arr = np.zeros(0, dtype=np.int32)
     else:
+        got = _native_int32(tokens)  # one C pass; None when it declines (then the checks below)
+        if got is not None:
+            return got
         if any(isinstance(t, bool) for t in tokens[:1]):
             raise ValueError("tokens: expected integers, got bools")
         try:
@@ -205,6 +225,8 @@ def tokens_to_array(tokens: object) -> np.ndarray:
             raise ValueError(f"tokens: expected a 1-D sequence of int32 integers ({exc})") from None
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"tokens: expected a 1-D sequence of integers, got dtype {arr.dtype} ndim {arr.ndim}")
+    if arr.dtype == np.int64 and (got := _native_int32(arr)) is not None:
+        return got
     if arr.dtype != np.dtype("<i4"):
         if arr.size and (int(arr.min()) < _INT32_MIN or int(arr.max()) > _INT32_MAX):
             raise ValueError("tokens: token ids must fit in int32")

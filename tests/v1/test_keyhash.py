@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
-from lmcache.v1.request import KeyExtras
+from lmcache.v1.request import KeyExtras, tokens_to_array
 from lmcache.v1.token_database import ChunkedTokenDatabase, native_hashing
 
 native = pytest.mark.skipif(not native_hashing(), reason="lmcache._keyhash not built")
@@ -135,3 +135,34 @@ def test_large_ints_and_boundaries_match():
     ex = KeyExtras.from_kwargs({})
     native_keys = [k.chunk_hash for k in db.prefix_keys(tokens, ex).keys]
     assert native_keys == reference_hashes(db, tokens, ex, True)
+
+
+def _to_array_outcome(tokens, monkeypatch, flag: str):
+    monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+    try:
+        arr = tokens_to_array(tokens)
+    except (TypeError, ValueError) as exc:
+        return (type(exc), str(exc))
+    assert arr.dtype == np.dtype("<i4") and arr.ndim == 1 and arr.flags.c_contiguous
+    return ("ok", arr.tolist())
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(INT32, st.integers(-(2**40), 2**40), st.booleans()), max_size=40), st.sampled_from(
+    ["list", "tuple", "int64 array", "int64 tensor", "strided int64 array"]))
+def test_native_token_conversion_equals_numpy(tokens, form):
+    """``tokens_to_array`` gives the same int32 array, or the same error, with the native
+    one-pass conversion (lists, tuples, int64 arrays and tensors) and without it."""
+    if form == "tuple":
+        tokens = tuple(tokens)
+    elif form != "list":
+        ints = [int(t) for t in tokens]
+        if form == "int64 tensor":
+            tokens = torch.tensor(ints, dtype=torch.int64)
+        elif form == "strided int64 array":
+            tokens = np.repeat(np.asarray(ints, dtype=np.int64), 2)[::2]
+        else:
+            tokens = np.asarray(ints, dtype=np.int64)
+    with pytest.MonkeyPatch.context() as mp:
+        assert _to_array_outcome(tokens, mp, "1") == _to_array_outcome(tokens, mp, "0")
