@@ -55,7 +55,7 @@ import torch
 
 from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
-from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolReservation
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolReservation, pool_bytes
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkSpan
@@ -459,7 +459,7 @@ class LayerwiseTransfer(TransferPath):
         i = 0
         while i < len(shapes):
             shape = shapes[i]
-            chunk_bytes = num_layers * -(-max(math.prod(shape) * dtype.itemsize, 1) // ALIGN) * ALIGN
+            chunk_bytes = num_layers * pool_bytes(math.prod(shape) * dtype.itemsize)
             end, stop = i + 1, min(len(shapes), i + max(1, sm.max_reservation_bytes // chunk_bytes))
             while end < stop and shapes[end] == shape:
                 end += 1

@@ -378,7 +378,7 @@ class PoolAllocator:
     def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
         """A new object with ref_count 1, owned by the caller; None if the pool is full."""
         meta = MemoryObjMetadata(tuple(int(d) for d in shape), dtype, fmt)
-        size = _round_up(max(meta.nbytes, 1))
+        size = pool_bytes(meta.nbytes)
         if size > self.slab_bytes:
             return None
         with self._lock:
@@ -410,7 +410,7 @@ class PoolAllocator:
         if count <= 0:
             raise ValueError(f"count={count!r}: expected > 0")
         meta = MemoryObjMetadata(tuple(int(d) for d in shape), dtype, fmt)
-        size = _round_up(max(meta.nbytes, 1))
+        size = pool_bytes(meta.nbytes)
         total = size * count
         if total > self.slab_bytes or size % _itemsize(dtype):
             return None
@@ -545,3 +545,8 @@ class PoolReservation:
 
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def pool_bytes(nbytes: int) -> int:
+    """Pool bytes one object with an ``nbytes`` payload takes (whole pages, at least one)."""
+    return _round_up(max(nbytes, 1))

@@ -184,11 +184,17 @@ except ImportError:  # pragma: no cover - depends on the build
     _tokens_int32 = None
 
 
+def native_hash_enabled() -> bool:
+    """False when ``LMCACHE_NATIVE_HASH=0`` asks for the Python token and hashing paths (read
+    at each call, so tests can switch it)."""
+    return os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+
+
 def _native_int32(tokens: object) -> np.ndarray | None:
     """``tokens`` (an exact list / tuple of ints, or an int64 array) as int32 in one C pass
     that also checks the range; None when the native module is missing, disabled
     (``LMCACHE_NATIVE_HASH=0``) or declines the input."""
-    if _tokens_int32 is None or os.environ.get("LMCACHE_NATIVE_HASH", "1") == "0":
+    if _tokens_int32 is None or not native_hash_enabled():
         return None
     raw = _tokens_int32(tokens)
     return None if raw is None else np.frombuffer(raw, dtype="<i4")

@@ -20,7 +20,6 @@ e.g. a list holding numpy scalars) the hashlib path below computes the same keys
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from lmcache.v1.keys import CacheEngineKey
-from lmcache.v1.request import KeyExtras, mask_start, tokens_to_array
+from lmcache.v1.request import KeyExtras, mask_start, native_hash_enabled, tokens_to_array
 
 try:  # optional native module (setup.py); identical keys without it
     from lmcache import _keyhash as _native_keyhash
@@ -57,7 +56,7 @@ TokenInput = Sequence[int] | np.ndarray | torch.Tensor
 
 def native_hashing() -> bool:
     """True when keys are hashed by the native module (built, and not disabled by env)."""
-    return _native_keyhash is not None and os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+    return _native_keyhash is not None and native_hash_enabled()
 
 
 # Slot descriptors of CacheEngineKey: keys are built with object.__new__ and these
@@ -188,7 +187,7 @@ class ChunkedTokenDatabase:
 
     def _digests(self, tokens: object, seed: bytes, partial: bool) -> tuple[int, bytes] | None:
         """(num_tokens, 16-byte chained digests) of tokens, or None when native hashing declines."""
-        if _native_keyhash is None or os.environ.get("LMCACHE_NATIVE_HASH", "1") == "0":
+        if not native_hashing():
             return None
         return _native_keyhash.hash_chunks(tokens, seed, self.chunk_size, partial)
 

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from lmcache.v1.keys import CacheEngineKey
-from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator, PoolReservation, pool_bytes
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
@@ -99,7 +99,7 @@ class LocalCPUBackend(StorageBackend):
         if res is not None:
             return res
         nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
-        need = -(-max(nbytes, 1) // ALIGN) * ALIGN * count
+        need = pool_bytes(nbytes) * count
         if need > self.allocator.slab_bytes:
             return None
         dropped: list[CacheEngineKey] = []

@@ -124,26 +124,27 @@ class ResidentIndex(Generic[K, V]):
     def insert(self, key: K, value: V, size: int, *, pins: int = 0) -> V | None:
         """Index ``value`` under ``key``; returns the value it replaced (the caller releases it)."""
         old = self.pop(key)
+        self._add(key, value, size, pins)
+        return old
+
+    def _add(self, key: K, value: V, size: int, pins: int) -> None:
+        """Index an absent key."""
         self._slots[key] = _Slot(value, size, pins)
         self.used += size
         self.policy.on_insert(key)
-        return old
 
     def admit(self, keys: Sequence[K], values: Sequence[V | None], size_of: Callable[[V], int], take: Callable[[V], None]) -> list[K]:
         """One sequence's entries (``keys`` head first), visited tail first: a present key is
         touched; an absent one with a value is indexed after ``take(value)`` (the caller's
         hook for taking its reference). Returns the inserted keys, tail first."""
-        slots, on_hit, on_insert = self._slots, self.policy.on_hit, self.policy.on_insert
+        slots, on_hit = self._slots, self.policy.on_hit
         inserted: list[K] = []
         for key, value in zip(reversed(keys), reversed(values)):
             if key in slots:
                 on_hit(key)
             elif value is not None:
                 take(value)
-                size = size_of(value)
-                slots[key] = _Slot(value, size, 0)
-                self.used += size
-                on_insert(key)
+                self._add(key, value, size_of(value), 0)
                 inserted.append(key)
         return inserted
 
