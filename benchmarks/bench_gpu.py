@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -55,7 +54,7 @@ from limits import GB, torch_copy_seconds  # noqa: E402
 
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.ec_engine import ECCacheEngine  # noqa: E402
-from lmcache.v1.gpu_connector import native  # noqa: E402
+from lmcache.v1.gpu_connector import copy_ops, native  # noqa: E402
 from lmcache.v1.memory_management import GiB, MemoryFormat, PoolAllocator  # noqa: E402
 from lmcache.v1.testing import KVSpec, make_connector, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
 
@@ -175,8 +174,11 @@ def kv_bytes(spec: KVSpec, tokens: int) -> int:
     return tokens * spec.num_layers * 2 * spec.hidden * spec.dtype.itemsize
 
 
+DEFAULT_USE_NATIVE = copy_ops.USE_NATIVE
+
+
 def set_native(use: bool) -> None:
-    os.environ["LMCACHE_USE_NATIVE"] = "1" if use else "0"
+    copy_ops.USE_NATIVE = use
 
 
 def free_memory(device: str) -> None:
@@ -255,7 +257,7 @@ def section_copy(rep: Report, args: argparse.Namespace) -> None:
                     try:
                         g, s, exact = _time_connector(spec, n, dev, args.reps if use_native else max(1, args.reps // 2))
                     finally:
-                        os.environ.pop("LMCACHE_USE_NATIVE", None)
+                        set_native(DEFAULT_USE_NATIVE)
                     rep.check(f"copy {tag} {path}: round trip bit-exact", exact)
                     target = use_native or not usable_native  # the path users get by default
                     rep.row("copy", f"{tag}: {path} gather GPU->pool", nbytes / g / GB, "GB/s")

@@ -199,6 +199,85 @@ static PyObject *tokens_int32(PyObject *self, PyObject *tokens) {
     return out;
 }
 
+/* The buffer behind a caller-validated tensor: n contiguous int32/int64 values at address
+ * (torch's data_ptr() of a contiguous 1-D CPU tensor). Reading it directly skips building a
+ * numpy view, which costs more than the scan itself when the interpreter's caches are cold. */
+static int parse_int_buffer(PyObject *args, const char *fn, const void **buf, Py_ssize_t *n, int *itemsize) {
+    unsigned long long addr;
+    if (!PyArg_ParseTuple(args, "Kni", &addr, n, itemsize)) return 0;
+    if (addr == 0 || *n < 0 || (*itemsize != 4 && *itemsize != 8)) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a non-null address, n >= 0 and itemsize 4 or 8", fn);
+        return 0;
+    }
+    *buf = (const void *)(uintptr_t)addr;
+    return 1;
+}
+
+/* tokens_int32_at(address, n, itemsize) -> bytearray of little-endian int32, or None when a
+ * value does not fit int32 (the caller's Python path raises). */
+static PyObject *tokens_int32_at(PyObject *self, PyObject *args) {
+    (void)self;
+    const void *buf;
+    Py_ssize_t n;
+    int itemsize;
+    if (!parse_int_buffer(args, "tokens_int32_at", &buf, &n, &itemsize)) return NULL;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, 4 * n);
+    if (out == NULL) return NULL;
+    int32_t *dst = (int32_t *)PyByteArray_AS_STRING(out);
+    if (itemsize == 4) {
+        memcpy(dst, buf, (size_t)(4 * n));
+        return out;
+    }
+    const int64_t *src = (const int64_t *)buf;
+    int64_t lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) { /* branch-free: the compiler vectorises it */
+        int64_t v = src[i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        dst[i] = (int32_t)v;
+    }
+    if (lo < INT32_MIN || hi > INT32_MAX) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* int_stats(address, n, itemsize) -> (max, index of the first negative value or n), n > 0. */
+static PyObject *int_stats(PyObject *self, PyObject *args) {
+    (void)self;
+    const void *buf;
+    Py_ssize_t n;
+    int itemsize;
+    if (!parse_int_buffer(args, "int_stats", &buf, &n, &itemsize)) return NULL;
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "int_stats: n must be positive");
+        return NULL;
+    }
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    Py_ssize_t neg = n;
+    if (itemsize == 8) {
+        const int64_t *v = (const int64_t *)buf;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            lo = v[i] < lo ? v[i] : lo;
+            hi = v[i] > hi ? v[i] : hi;
+        }
+        if (lo < 0)
+            for (neg = 0; v[neg] >= 0; ++neg) {
+            }
+    } else {
+        const int32_t *v = (const int32_t *)buf;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            lo = v[i] < lo ? v[i] : lo;
+            hi = v[i] > hi ? v[i] : hi;
+        }
+        if (lo < 0)
+            for (neg = 0; v[neg] >= 0; ++neg) {
+            }
+    }
+    return Py_BuildValue("(Ln)", (long long)hi, neg);
+}
+
 static PyObject *hash_chunks(PyObject *self, PyObject *args) {
     PyObject *tokens;
     Py_buffer seed;
@@ -531,6 +610,9 @@ static PyObject *prefix_in(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"hash_chunks", hash_chunks, METH_VARARGS, "(tokens, seed, chunk_size, partial) -> (n, digests) or None"},
     {"tokens_int32", tokens_int32, METH_O, "(tokens) -> bytearray of little-endian int32, or None (declined)"},
+    {"tokens_int32_at", tokens_int32_at, METH_VARARGS,
+     "(address, n, itemsize) -> bytearray of little-endian int32 from a contiguous int32/int64 buffer, or None"},
+    {"int_stats", int_stats, METH_VARARGS, "(address, n, itemsize) -> (max, first negative index or n), n > 0"},
     {"make_keys", make_keys, METH_VARARGS, "(key_type, fields, hash_field, digests, first) -> list of keys"},
     {"register_key_type", register_key_type, METH_VARARGS,
      "(cls, eq_fields, hash_fields): slot descriptors compared by KeyBase.__eq__ / folded in by KeyBase.__hash__"},

@@ -179,15 +179,22 @@ NO_EXTRAS = KeyExtras()
 
 # ---------------------------------------------------------------------- tokens and masks
 try:  # optional native module (setup.py); the numpy path gives the same arrays without it
+    from lmcache._keyhash import int_stats as _int_stats
     from lmcache._keyhash import tokens_int32 as _tokens_int32
+    from lmcache._keyhash import tokens_int32_at as _tokens_int32_at
 except ImportError:  # pragma: no cover - depends on the build
-    _tokens_int32 = None
+    _tokens_int32 = _tokens_int32_at = _int_stats = None
+
+
+_NATIVE_HASH = os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+"""False when ``LMCACHE_NATIVE_HASH=0`` was set at import (tests switch this attribute)."""
 
 
 def native_hash_enabled() -> bool:
-    """False when ``LMCACHE_NATIVE_HASH=0`` asks for the Python token and hashing paths (read
-    at each call, so tests can switch it)."""
-    return os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
+    """False when ``LMCACHE_NATIVE_HASH=0`` asks for the Python token, slot and hashing paths.
+    Read once at import, like the key classes' switch in :mod:`lmcache.v1.keys` (reading
+    ``os.environ`` on every request cost ~40 us with cold caches)."""
+    return _NATIVE_HASH
 
 
 def _native_int32(tokens: object) -> np.ndarray | None:
@@ -200,6 +207,23 @@ def _native_int32(tokens: object) -> np.ndarray | None:
     return None if raw is None else np.frombuffer(raw, dtype="<i4")
 
 
+def _native_address(t: torch.Tensor) -> int | None:
+    """The data address of a contiguous 1-D int32/int64 CPU tensor with at least one element,
+    when the native scans are built and enabled (they read it directly, no numpy view)."""
+    if (
+        _int_stats is None
+        or not t.is_cpu
+        or t.layout != torch.strided
+        or t.dtype not in _SLOT_DTYPES
+        or t.dim() != 1
+        or t.shape[0] == 0
+        or t.stride(0) != 1
+        or not native_hash_enabled()
+    ):
+        return None
+    return t.data_ptr()
+
+
 def tokens_to_array(tokens: object) -> np.ndarray:
     """Token ids as a contiguous little-endian int32 array (no per-token Python loop).
 
@@ -209,6 +233,11 @@ def tokens_to_array(tokens: object) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise ValueError(f"tokens: expected a 1-D integer tensor, got shape {tuple(tokens.shape)} {tokens.dtype}")
+        addr = _native_address(tokens)
+        if addr is not None:
+            raw = _tokens_int32_at(addr, tokens.shape[0], tokens.element_size())
+            if raw is not None:
+                return np.frombuffer(raw, dtype="<i4")
         try:
             arr = tokens.numpy()  # a CPU tensor without grad: a view, one call
         except (RuntimeError, TypeError):
@@ -386,7 +415,10 @@ def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torc
         raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries; expected at least {n} (one per token)")
     if n == 0:
         return slot_mapping, 0
-    if slot_mapping.device.type == "cpu":
+    addr = _native_address(slot_mapping)
+    if addr is not None:  # one C pass over the first n slots
+        top, first_neg = _int_stats(addr, n, slot_mapping.element_size())
+    elif slot_mapping.device.type == "cpu":
         arr = slot_mapping.numpy()[:n]
         lo, top = int(arr.min()), int(arr.max())
         first_neg = n if lo >= 0 else int(np.argmax(arr < 0))  # no temporary array when nothing is negative

@@ -48,9 +48,9 @@ def copy_path(request, monkeypatch) -> str:
         mod = native.load()
         if mod is None or not mod.has_cuda:
             pytest.skip("native CUDA kernels not built (python setup.py build_ext --inplace with nvcc)")
-        monkeypatch.setenv("LMCACHE_USE_NATIVE", "1")
+        monkeypatch.setattr(copy_ops, "USE_NATIVE", True)
     else:
-        monkeypatch.setenv("LMCACHE_USE_NATIVE", "0")
+        monkeypatch.setattr(copy_ops, "USE_NATIVE", False)
     return request.param
 
 

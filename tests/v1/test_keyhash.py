@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
-from lmcache.v1.request import KeyExtras, tokens_to_array
+import lmcache.v1.request as request_mod
+from lmcache.v1.request import KeyExtras, check_slot_mapping, tokens_to_array
 from lmcache.v1.token_database import ChunkedTokenDatabase, native_hashing
 
 native = pytest.mark.skipif(not native_hashing(), reason="lmcache._keyhash not built")
@@ -59,7 +60,7 @@ def all_paths(db, tokens, extras, partial, monkeypatch):
              torch.tensor(tokens, dtype=torch.int64)]
     results = []
     for flag in ("1", "0"):
-        monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+        monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
         for form in forms:
             pk = db.prefix_keys(form, extras, include_partial=partial)
             results.append((pk.num_tokens, [fields(k) for k in pk.keys]))
@@ -119,7 +120,7 @@ def test_declined_inputs_take_the_validating_path(monkeypatch, tokens):
     db = make_db(4)
     outcomes = []
     for flag in ("1", "0"):
-        monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+        monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
         try:
             pk = db.prefix_keys(tokens, KeyExtras.from_kwargs({}))
             outcomes.append(("ok", pk.num_tokens, [fields(k) for k in pk.keys]))
@@ -138,7 +139,7 @@ def test_large_ints_and_boundaries_match():
 
 
 def _to_array_outcome(tokens, monkeypatch, flag: str):
-    monkeypatch.setenv("LMCACHE_NATIVE_HASH", flag)
+    monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
     try:
         arr = tokens_to_array(tokens)
     except (TypeError, ValueError) as exc:
@@ -150,7 +151,8 @@ def _to_array_outcome(tokens, monkeypatch, flag: str):
 @native
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.one_of(INT32, st.integers(-(2**40), 2**40), st.booleans()), max_size=40), st.sampled_from(
-    ["list", "tuple", "int64 array", "int64 tensor", "strided int64 array"]))
+    ["list", "tuple", "int64 array", "int64 tensor", "strided int64 array", "int32 tensor", "strided int64 tensor",
+     "offset int64 tensor"]))
 def test_native_token_conversion_equals_numpy(tokens, form):
     """``tokens_to_array`` gives the same int32 array, or the same error, with the native
     one-pass conversion (lists, tuples, int64 arrays and tensors) and without it."""
@@ -160,9 +162,46 @@ def test_native_token_conversion_equals_numpy(tokens, form):
         ints = [int(t) for t in tokens]
         if form == "int64 tensor":
             tokens = torch.tensor(ints, dtype=torch.int64)
+        elif form == "int32 tensor":
+            tokens = torch.tensor([min(max(t, -(2**31)), 2**31 - 1) for t in ints], dtype=torch.int32)
+        elif form == "strided int64 tensor":
+            tokens = torch.tensor(ints, dtype=torch.int64).repeat_interleave(2)[::2]
+        elif form == "offset int64 tensor":  # a view that starts inside its storage
+            tokens = torch.tensor([7, *ints], dtype=torch.int64)[1:]
         elif form == "strided int64 array":
             tokens = np.repeat(np.asarray(ints, dtype=np.int64), 2)[::2]
         else:
             tokens = np.asarray(ints, dtype=np.int64)
     with pytest.MonkeyPatch.context() as mp:
         assert _to_array_outcome(tokens, mp, "1") == _to_array_outcome(tokens, mp, "0")
+
+
+def _slots_outcome(slots, n, capacity, monkeypatch, flag: str):
+    monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
+    try:
+        out, first_neg = check_slot_mapping(slots, n, capacity, torch.device("cpu"))
+    except (TypeError, ValueError) as exc:
+        return (type(exc), str(exc))
+    return ("ok", out.tolist(), first_neg)
+
+
+@native
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(-3, 70), max_size=40),
+    st.integers(0, 45),
+    st.sampled_from(["int64", "int32", "strided int64", "offset int32"]),
+)
+def test_native_slot_scan_equals_numpy(slots, n, form):
+    """``check_slot_mapping`` finds the same first unmapped token and rejects the same
+    out-of-range slots with the one-pass native scan (contiguous CPU tensors) as with numpy."""
+    if form == "int64":
+        t = torch.tensor(slots, dtype=torch.int64)
+    elif form == "int32":
+        t = torch.tensor(slots, dtype=torch.int32)
+    elif form == "strided int64":
+        t = torch.tensor(slots, dtype=torch.int64).repeat_interleave(2)[::2]
+    else:
+        t = torch.tensor([5, *slots], dtype=torch.int32)[1:]
+    with pytest.MonkeyPatch.context() as mp:
+        assert _slots_outcome(t, n, 64, mp, "1") == _slots_outcome(t, n, 64, mp, "0")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector import native
+from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layerwise import (
     LayerCopy,
     VLLMBufferLayerwiseGPUConnector,
@@ -50,11 +50,11 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 def kernels(request, monkeypatch):
     """Run a test with the torch fallback (LMCACHE_USE_NATIVE=0) and with native kernels."""
     if request.param == "fallback":
-        monkeypatch.setenv("LMCACHE_USE_NATIVE", "0")
+        monkeypatch.setattr(copy_ops, "USE_NATIVE", False)
     else:
         if native.load() is None:
             pytest.skip("native kernels (lmcache._c_ops) are not built")
-        monkeypatch.setenv("LMCACHE_USE_NATIVE", "1")
+        monkeypatch.setattr(copy_ops, "USE_NATIVE", True)
     return request.param
 
 

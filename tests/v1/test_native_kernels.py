@@ -305,11 +305,11 @@ def test_connector_dispatches_to_native_and_env_forces_fallback(lib_path, monkey
     calls = []
     real = mod.paged_gather
     monkeypatch.setattr(mod, "paged_gather", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    monkeypatch.setenv("LMCACHE_USE_NATIVE", "1")
+    monkeypatch.setattr(copy_ops, "USE_NATIVE", True)
     conn.batched_from_gpu(objs, [0, 16], [16, 32], kvcaches=kv, slot_mapping=slots)
     assert calls == [1]
     native_out = [o.tensor.clone() for o in objs]
-    monkeypatch.setenv("LMCACHE_USE_NATIVE", "0")
+    monkeypatch.setattr(copy_ops, "USE_NATIVE", False)
     for o in objs:
         o.tensor.zero_()
     conn.batched_from_gpu(objs, [0, 16], [16, 32], kvcaches=kv, slot_mapping=slots)

@@ -316,7 +316,7 @@ class NativeKernels:
         self._raise_for(rc, None, geom)
 
     @staticmethod
-    def _raise_for(rc: int, error_info: ctypes.Array | None, geom: PagedGeometry) -> None:
+    def _raise_for(rc: int, error_info: Sequence[int] | None, geom: PagedGeometry) -> None:
         if rc == _OK:
             return
         if rc == _ERR_SLOT and error_info is not None:
@@ -386,22 +386,27 @@ class LayerCopyPlan:
         self._like = (first.shape, first.stride(), first.dtype, first.device)
         self._checked = [False] * len(layers)
         self._num_chunks = len(counts)
-        self._comps = _i64_array([v for c in geom.components for v in c.as_tuple()])
-        self._chunk_info = array.array("q", chunk_info)  # ~5x faster to build than a ctypes array
-        self._mem_ptrs = (ctypes.c_uint64 * max(1, self._num_chunks))()
-        self._layer_ptrs = _u64_array([0])
-        self._layer_blocks = _i64_array(layer_block_counts([first], geom))
-        self._error_info = _i64_array([0, 0])
+        # One int64 array holds every small argument array (one allocation, not six ctypes
+        # arrays): the components' views, this layer's pointer, its block count, the error
+        # info and the chunk infos, then one memory pointer per chunk.
+        comps = [v for c in geom.components for v in c.as_tuple()]
+        n_comps = len(comps)
+        self._layer_at, self._error_at, self._mem_at = n_comps, n_comps + 2, n_comps + 4 + len(chunk_info)
+        self._buf = array.array("q", comps)
+        self._buf.extend((0, layer_block_counts([first], geom)[0], 0, 0))
+        self._buf.extend(chunk_info)
+        self._buf.frombytes(bytes(8 * max(1, self._num_chunks)))  # the memory pointers, zeroed
+        base, word = self._buf.buffer_info()[0], self._buf.itemsize
         self._geom = geom
         self._args = _kernel_args(
             direction, first, geom, slots, num_layers=1, num_chunks=self._num_chunks,
             num_threads=kernels.num_threads, flags=kernels.nt_mode,
-            comps=ctypes.addressof(self._comps),
-            layer_ptrs=ctypes.addressof(self._layer_ptrs),
-            chunk_info=self._chunk_info.buffer_info()[0],
-            mem_ptrs=ctypes.addressof(self._mem_ptrs),
-            error_info=ctypes.addressof(self._error_info),
-            layer_blocks=ctypes.addressof(self._layer_blocks),
+            comps=base,
+            layer_ptrs=base + word * self._layer_at,
+            layer_blocks=base + word * (self._layer_at + 1),
+            error_info=base + word * self._error_at,
+            chunk_info=base + word * (self._error_at + 2),
+            mem_ptrs=base + word * self._mem_at,
         )
 
     @property
@@ -424,8 +429,10 @@ class LayerCopyPlan:
                     f"kv_layers[{layer}]: shape/strides/dtype/device {like} differ from layer 0 ({self._like})"
                 )
             self._checked[layer] = True
-        self._layer_ptrs[0] = layer_t.data_ptr()
-        self._mem_ptrs[:k] = mem_ptrs
+        buf, at = self._buf, self._mem_at
+        buf[self._layer_at] = layer_t.data_ptr()
+        for i, ptr in enumerate(mem_ptrs, at):
+            buf[i] = ptr
         args.num_chunks = k
         keep = None
         if self._kernels.bounds_checked:
@@ -436,7 +443,7 @@ class LayerCopyPlan:
             args.layer_bounds = ctypes.addressof(keep[0])
             args.mem_bounds = ctypes.addressof(keep[1])
         rc = self._kernels._cpu.lmc_paged_copy(ctypes.byref(args))
-        NativeKernels._raise_for(rc, self._error_info, self._geom)
+        NativeKernels._raise_for(rc, self._buf[self._error_at : self._error_at + 2], self._geom)
 
 
 def layer_block_counts(layers: Sequence[torch.Tensor], geom: PagedGeometry) -> list[int]:
