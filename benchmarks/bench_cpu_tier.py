@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector import native
+from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 
 from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
@@ -59,7 +59,7 @@ def kv_spec(layout: str, block_size: int, num_tokens: int) -> KVSpec:
 def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> CopyResult:
     """Store / retrieve throughput of one path, with numpy memcpy of the same bytes timed in
     every rep (store, retrieve, memcpy interleaved, so load changes hit all three alike)."""
-    os.environ["LMCACHE_USE_NATIVE"] = "1" if use_native else "0"
+    copy_ops.USE_NATIVE = use_native
     kv = random_kv_caches(spec)
     whole = torch.empty(0, dtype=torch.uint8).set_(kv[0].untyped_storage())  # all layers' bytes
     slots = random_slot_mapping(spec, num_tokens)
