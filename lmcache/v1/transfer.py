@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from lmcache.errors import LogOnce
@@ -124,13 +125,15 @@ class TransferContext:
         bool tensor, True where KV was written: a token without a slot, e.g. the prompt's
         last one that vLLM recomputes, is not counted). Called only after the copy
         succeeded: a hit is a loaded chunk, never a promised one."""
-        csum = torch.cumsum(written[: spans[-1].end].to(torch.int64), 0) if spans else None
+        if not spans:
+            return
+        # written tokens before each span boundary, from one cumulative sum (no per-span tensor op)
+        csum = np.concatenate(([0], np.cumsum(written[: spans[-1].end].numpy(), dtype=np.int64)))
+        bounds = csum[[i for s in spans for i in (s.start, s.end)]].tolist()
         tokens: dict[str, int] = {}
         sizes: dict[str, int] = {}
-        for span, tier, size in zip(spans, tiers, nbytes):
-            assert csum is not None
-            n = int(csum[span.end - 1]) - (int(csum[span.start - 1]) if span.start else 0)
-            tokens[tier] = tokens.get(tier, 0) + n
+        for k, (tier, size) in enumerate(zip(tiers, nbytes)):
+            tokens[tier] = tokens.get(tier, 0) + bounds[2 * k + 1] - bounds[2 * k]
             sizes[tier] = sizes.get(tier, 0) + size
         deltas = {f"hit_tokens_{t}": v for t, v in tokens.items() if t in _TIERS}
         deltas.update({f"hit_bytes_{t}": v for t, v in sizes.items() if t in _TIERS})
@@ -246,13 +249,7 @@ class BulkTransfer(TransferPath):
         # one batched lookup (one round trip for remote tiers): skip the cached prefix
         cached = sm.batched_contains([s.key for s in spans])
         todo = [s for s in spans[cached:] if not sm.is_resident(s.key)]
-        objs: list[MemoryObj] = []
-        for span in todo:
-            obj = sm.allocate(connector.get_shape(span.end - span.start), ctx.metadata.kv_dtype, connector.fmt)
-            if obj is None:
-                ctx.pool_full(len(todo) - len(objs))
-                break
-            objs.append(obj)
+        objs = self._allocate(connector, todo)
         todo = todo[: len(objs)]
         if objs:
             try:
@@ -270,6 +267,27 @@ class BulkTransfer(TransferPath):
         ctx.stats.add(stored_tokens=stored, stored_bytes=sum(o.get_size() for o in objs))
         logger.debug("lmcache store: %d tokens in %d chunks", stored, len(todo))
         return stored
+
+    def _allocate(self, connector: KVConnector, spans: Sequence[ChunkSpan]) -> list[MemoryObj]:
+        """One object per span, runs of same-length spans in one batch each
+        (:meth:`StorageManager.allocate_many`); a prefix when the pool is full (the rest
+        is skipped, counted and logged once)."""
+        ctx = self.ctx
+        dtype, fmt = ctx.metadata.kv_dtype, connector.fmt
+        objs: list[MemoryObj] = []
+        i = 0
+        while i < len(spans):
+            n = spans[i].end - spans[i].start
+            j = i + 1
+            while j < len(spans) and spans[j].end - spans[j].start == n:
+                j += 1
+            got = ctx.storage_manager.allocate_many(tuple(connector.get_shape(n)), dtype, fmt, j - i)
+            objs += got
+            if len(got) < j - i:
+                ctx.pool_full(len(spans) - len(objs))
+                break
+            i = j
+        return objs
 
     def retrieve(self, req: TransferRequest) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -132,11 +132,17 @@ def run_case(k: native.NativeKernels, rnd: random.Random) -> None:
 
     raws, views = mem_views(kind, c, layers, counts, geom.hidden, dtype, gen)
     want = [r.clone() for r in raws]
+    raws_at = [r.clone() for r in raws]  # for the address entry (contiguous views only)
     want_views = [w.view(dtype).as_strided(v.shape, v.stride(), v.storage_offset()) for w, v in zip(want, views)]
     k.paged_gather(layer_list, geom, slots, starts, views)
     copy_ops.paged_gather(layer_list, geom, slots, starts, want_views, use_native=False)
     assert all(guards_intact(r) for r in raws), "gather wrote outside a memory view"
     assert all(torch.equal(r, w) for r, w in zip(raws, want)), "gather differs from the fallback"
+    if kind == "2ltd":
+        ptrs = [r.view(dtype).as_strided(v.shape, v.stride(), v.storage_offset()).data_ptr() for r, v in zip(raws_at, views)]
+        k.paged_copy_at(native.GATHER, layer_list, geom, slots, starts, counts, ptrs)
+        assert all(guards_intact(r) for r in raws_at), "address gather wrote outside a memory view"
+        assert all(torch.equal(r, w) for r, w in zip(raws_at, want)), "address gather differs from the fallback"
 
     _, srcs = mem_views(kind, c, layers, counts, geom.hidden, dtype, gen)
     expect = kv.clone()

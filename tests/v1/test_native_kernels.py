@@ -121,17 +121,25 @@ def check_both_directions(k, spec: KVSpec, slots, starts, counts, kind: str, see
         # gather: the same garbage-filled destinations through both paths
         bases_n, views_n = make_mems(kind, geom, len(layers), counts, spec.dtype, gen)
         bases_t = [b.clone() for b in bases_n]
+        bases_a = [b.clone() for b in bases_n]  # contiguous objects only: the address entry
         views_t = [b.as_strided(v.shape, v.stride(), v.storage_offset()) for b, v in zip(bases_t, views_n)]
         k.paged_gather(layers, geom, slots, starts, views_n)
         copy_ops.paged_gather(layers, geom, slots, starts, views_t, use_native=False)
         assert_same(bases_n, bases_t)
+        if kind == "2ltd":
+            k.paged_copy_at(native.GATHER, layers, geom, slots, starts, counts, [b.data_ptr() for b in bases_a])
+            assert_same(bases_a, bases_t)
         # scatter: random sources into two copies of the cache
         src_bases, srcs = make_mems(kind, geom, len(layers), counts, spec.dtype, gen)
         full_n = torch.stack(layers).clone()
         full_t = full_n.clone()
+        full_a = full_n.clone()
         k.paged_scatter(list(full_n.unbind(0)), geom, slots, starts, srcs)
         copy_ops.paged_scatter(list(full_t.unbind(0)), geom, slots, starts, srcs, use_native=False)
         assert_same([full_n], [full_t])
+        if kind == "2ltd":
+            k.paged_copy_at(native.SCATTER, list(full_a.unbind(0)), geom, slots, starts, counts, [m.data_ptr() for m in srcs])
+            assert_same([full_a], [full_t])
         del src_bases
 
 
@@ -303,8 +311,8 @@ def test_connector_dispatches_to_native_and_env_forces_fallback(lib_path, monkey
     objs = [MemoryObj.from_tensor(torch.zeros(tuple(conn.get_shape(16))), MemoryFormat.KV_2LTD) for _ in range(2)]
     mod = native.load()
     calls = []
-    real = mod.paged_gather
-    monkeypatch.setattr(mod, "paged_gather", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    real = mod._run  # every native CPU copy (tensor or address entry) runs through it
+    monkeypatch.setattr(mod, "_run", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     monkeypatch.setattr(copy_ops, "USE_NATIVE", True)
     conn.batched_from_gpu(objs, [0, 16], [16, 32], kvcaches=kv, slot_mapping=slots)
     assert calls == [1]
@@ -330,6 +338,20 @@ def _small(layout: str = "flash_attn"):
     spec = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=4, block_size=16, layout=layout)
     kv = random_kv_caches(spec)
     return spec, kv, get_layout(layout).geometry(kv[0])
+
+
+def test_address_entry_checks_spans_and_slots(lib_path):
+    _, kv, geom = _small()
+    k = kernels(lib_path)
+    dst = torch.zeros(2, 2, 16, geom.hidden)
+    slots = torch.arange(16, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"chunk needs \[8, 24\)"):
+        k.paged_copy_at(native.GATHER, kv, geom, slots, [8], [16], [dst.data_ptr()])
+    with pytest.raises(ValueError, match="lengths differ"):
+        k.paged_copy_at(native.GATHER, kv, geom, slots, [0], [16], [])
+    slots[5] = 4 * 16  # one past the last slot
+    with pytest.raises(IndexError, match=r"slot_mapping\[5\] = 64"):
+        k.paged_copy_at(native.GATHER, kv, geom, slots, [0], [16], [dst.data_ptr()])
 
 
 def test_out_of_range_slot_raises_index_error(lib_path):

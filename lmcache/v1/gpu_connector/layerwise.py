@@ -45,7 +45,7 @@ import torch
 
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
-from lmcache.v1.gpu_connector.paged import PagedKVBase
+from lmcache.v1.gpu_connector.paged import PagedKVBase, pool_addresses
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import PagedKV
 
@@ -285,14 +285,11 @@ class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
         run = plan.run
 
         def copy(layer: int, objs: Sequence[MemoryObj]) -> None:
-            ptrs = []
-            for j, obj in enumerate(objs):
-                meta = obj.meta
-                ptr = obj.host_address()  # pool objects: no tensor op
-                if ptr is None or meta.shape != want[j] or meta.dtype != dtype:
-                    self._kernel_view(obj, starts[j], ends[j])  # raises the precise error
-                    raise ValueError(f"MemoryObj {obj!r}: dtype {meta.dtype} or device does not match the KV ({dtype}, cpu)")
-                ptrs.append(ptr)
+            ptrs = pool_addresses(objs, want, dtype)  # pool objects: no tensor op
+            if ptrs is None:
+                j = next(j for j, obj in enumerate(objs) if pool_addresses([obj], [want[j]], dtype) is None)
+                self._kernel_view(objs[j], starts[j], ends[j])  # raises the precise error for a wrong shape
+                raise ValueError(f"MemoryObj {objs[j]!r}: dtype {objs[j].meta.dtype} or device does not match the KV ({dtype}, cpu)")
             run(layer, ptrs)
 
         return copy

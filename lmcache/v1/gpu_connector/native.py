@@ -208,6 +208,40 @@ class NativeKernels:
         """
         return LayerCopyPlan(self, direction, kv_layers, geom, slot_mapping, starts, counts)
 
+    def paged_copy_at(
+        self,
+        direction: int,
+        kv_layers: Sequence[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        counts: Sequence[int],
+        mem_ptrs: Sequence[int],
+    ) -> None:
+        """:meth:`paged_gather` / :meth:`paged_scatter` of CPU KV with each chunk's memory
+        given by address (no tensor per chunk): ``mem_ptrs[k]`` is a contiguous
+        ``[num_comps, num_layers, counts[k], hidden]`` buffer of the layers' dtype that
+        stays alive for the call. The caller checks that from the memory objects'
+        metadata (:func:`lmcache.v1.gpu_connector.paged.pool_addresses`); the slots and
+        spans are checked here as in the tensor calls."""
+        if direction not in (GATHER, SCATTER):
+            raise ValueError(f"direction={direction!r}: expected {GATHER} (gather) or {SCATTER} (scatter)")
+        if not len(starts) == len(counts) == len(mem_ptrs):
+            raise ValueError(f"starts/counts/mem_ptrs: lengths differ ({len(starts)}, {len(counts)}, {len(mem_ptrs)})")
+        if not mem_ptrs:
+            return
+        layers = list(kv_layers)
+        if not layers or layers[0].device.type != "cpu":
+            raise ValueError("kv_layers: paged_copy_at needs CPU layer tensors")
+        num_layers, hidden = len(layers), geom.hidden
+        row = len(geom.components) * num_layers
+        chunk_info: list[int] = []
+        for start, count in zip(starts, counts):
+            chunk_info += (start, count, num_layers * count * hidden, count * hidden, hidden)
+        es = layers[0].element_size()
+        extents = [(p, p + row * n * hidden * es) for p, n in zip(mem_ptrs, counts)]
+        self._run(direction, layers, geom, slot_mapping, chunk_info, list(mem_ptrs), extents)
+
     # ------------------------------------------------------------------ internals
     def _copy(
         self,
@@ -218,23 +252,15 @@ class NativeKernels:
         starts: Sequence[int],
         mems: Sequence[torch.Tensor],
     ) -> None:
-        layers = list(kv_layers)
         mems = list(mems)
         if not mems:
             return
-        if not layers:
-            raise ValueError("kv_layers: expected at least one layer tensor")
         if len(starts) != len(mems):
             raise ValueError(f"starts: {len(starts)} entries for {len(mems)} memory tensors")
+        layers = list(kv_layers)
+        if not layers:
+            raise ValueError("kv_layers: expected at least one layer tensor")
         first = layers[0]
-        blocks = layer_block_counts(layers, geom)
-        for i, layer in enumerate(layers):
-            if layer.dtype != first.dtype or layer.device != first.device or layer.stride() != first.stride():
-                raise ValueError(
-                    f"kv_layers[{i}]: dtype/device/strides {layer.dtype}/{layer.device}/{layer.stride()} differ "
-                    f"from layer 0 ({first.dtype}/{first.device}/{first.stride()})"
-                )
-        slots = _slots_on(slot_mapping, first.device)
         num_comps, num_layers, hidden = len(geom.components), len(layers), geom.hidden
         chunk_info: list[int] = []
         for i, (start, mem) in enumerate(zip(starts, mems)):
@@ -246,26 +272,53 @@ class NativeKernels:
                 raise TypeError(f"dsts/srcs[{i}]: dtype {mem.dtype} does not match the KV dtype {first.dtype}")
             if mem.stride(3) != 1 and hidden > 1:
                 raise ValueError(f"dsts/srcs[{i}]: last dim must be contiguous, strides {mem.stride()}")
-            count = mem.shape[2]
-            if start < 0 or start + count > slots.shape[0]:
-                raise ValueError(f"slot_mapping: has {slots.shape[0]} entries, chunk needs [{start}, {start + count})")
-            chunk_info += [int(start), count, mem.stride(0), mem.stride(1), mem.stride(2)]
+            chunk_info += [int(start), mem.shape[2], mem.stride(0), mem.stride(1), mem.stride(2)]
+        mem_ptrs = [t.data_ptr() for t in mems]
+        extents = [_byte_extent(t) for t in mems] if self.bounds_checked and first.device.type == "cpu" else None
+        self._run(direction, layers, geom, slot_mapping, chunk_info, mem_ptrs, extents)
 
+    def _run(
+        self,
+        direction: int,
+        layers: list[torch.Tensor],
+        geom: PagedGeometry,
+        slot_mapping: torch.Tensor,
+        chunk_info: list[int],
+        mem_ptrs: list[int],
+        mem_extents: Sequence[tuple[int, int]] | None,
+    ) -> None:
+        """Check the layers and the chunks' token spans, then run one kernel call.
+        ``chunk_info`` holds ``(start, count, comp/layer/token element strides)`` per chunk;
+        ``mem_extents`` the chunks' byte ranges (used by the bounds-checked build)."""
+        first = layers[0]
+        blocks = layer_block_counts(layers, geom)
+        for i, layer in enumerate(layers):
+            if layer.dtype != first.dtype or layer.device != first.device or layer.stride() != first.stride():
+                raise ValueError(
+                    f"kv_layers[{i}]: dtype/device/strides {layer.dtype}/{layer.device}/{layer.stride()} differ "
+                    f"from layer 0 ({first.dtype}/{first.device}/{first.stride()})"
+                )
+        slots = _slots_on(slot_mapping, first.device)
+        num_slots = slots.shape[0]
+        for k in range(0, len(chunk_info), 5):
+            start, count = chunk_info[k], chunk_info[k + 1]
+            if count < 0 or start < 0 or start + count > num_slots:
+                raise ValueError(f"slot_mapping: has {num_slots} entries, chunk needs [{start}, {start + count})")
         comps = [v for c in geom.components for v in c.as_tuple()]
         error_info = _i64_array([0, 0])
         arrays: dict[str, ctypes.Array] = {"error_info": error_info, "layer_blocks": _i64_array(blocks)}
         args = _kernel_args(
-            direction, first, geom, slots, num_layers=num_layers, num_chunks=len(mems),
+            direction, first, geom, slots, num_layers=len(layers), num_chunks=len(mem_ptrs),
             num_threads=self.num_threads, flags=self.nt_mode, error_info=ctypes.addressof(error_info),
         )
         layer_ptrs = [t.data_ptr() for t in layers]
-        mem_ptrs = [t.data_ptr() for t in mems]
         if first.device.type == "cuda":
             self._launch_cuda(args, first, comps, layer_ptrs, chunk_info, mem_ptrs, geom, blocks)
             return
         if self.bounds_checked:
+            assert mem_extents is not None
             arrays["layer_bounds"] = _u64_array([b for t in layers for b in _byte_extent(t)])
-            arrays["mem_bounds"] = _u64_array([b for t in mems for b in _byte_extent(t)])
+            arrays["mem_bounds"] = _u64_array([b for ext in mem_extents for b in ext])
         arrays.update(
             comps=_i64_array(comps),
             layer_ptrs=_u64_array(layer_ptrs),
@@ -374,7 +427,7 @@ class LayerCopyPlan:
         hidden, num_comps, num_slots = geom.hidden, len(geom.components), slots.shape[0]
         chunk_info: list[int] = []
         for k, (start, count) in enumerate(zip(starts, counts)):
-            if count <= 0 or start < 0 or start + count > num_slots:
+            if count < 0 or start < 0 or start + count > num_slots:
                 raise ValueError(f"chunk {k}: tokens [{start}, {start + count}) outside the slot mapping ({num_slots} entries)")
             chunk_info += (start, count, count * hidden, count * hidden, hidden)
         row_bytes = num_comps * hidden * first.element_size()

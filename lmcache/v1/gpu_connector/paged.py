@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lmcache.v1.gpu_connector import copy_ops
+from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import KVLayout, get_layout
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import (
@@ -168,6 +168,21 @@ class PagedKVBase:
         stream.synchronize()
 
 
+def pool_addresses(objs: Sequence[MemoryObj], shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[int] | None:
+    """The payload address of each object for the native CPU kernels, checked from its
+    metadata only (no tensor op): each must be valid, in CPU memory, of ``shapes[k]``
+    and ``dtype``. None when one is not (the caller takes the tensor path, whose checks
+    raise the precise error)."""
+    ptrs = []
+    for obj, shape in zip(objs, shapes):
+        meta = obj.meta
+        ptr = obj.host_address()
+        if ptr is None or meta.shape != shape or meta.dtype != dtype:
+            return None
+        ptrs.append(ptr)
+    return ptrs
+
+
 def _check_spans(objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int]) -> None:
     if not len(objs) == len(starts) == len(ends):
         raise ValueError(f"objs/starts/ends: lengths differ ({len(objs)}, {len(starts)}, {len(ends)})")
@@ -196,12 +211,32 @@ class VLLMPagedMemGPUConnectorV2(PagedKVBase, GPUConnectorInterface):
 
     def batched_from_gpu(self, objs, starts, ends, kv=None, **kwargs) -> None:
         kv = self._bound(kv, ends, kwargs)
+        if self._copy_at(native.GATHER, kv, objs, starts, ends):
+            return
         dsts = self._views(objs, starts, ends)
         with self._on_stream(self.store_stream, kv.kvcaches[0].device):
             copy_ops.paged_gather(kv.kvcaches, kv.geometry, kv.slot_mapping, starts, dsts)
 
     def batched_to_gpu(self, objs, starts, ends, kv=None, **kwargs) -> None:
         kv = self._bound(kv, ends, kwargs)
+        if self._copy_at(native.SCATTER, kv, objs, starts, ends):
+            return
         srcs = self._views(objs, starts, ends)
         with self._on_stream(self.load_stream, kv.kvcaches[0].device):
             copy_ops.paged_scatter(kv.kvcaches, kv.geometry, kv.slot_mapping, starts, srcs)
+
+    def _copy_at(self, direction: int, kv: PagedKV, objs, starts, ends) -> bool:
+        """CPU KV with native kernels and objects in CPU memory: one kernel call on the
+        objects' addresses (no tensor view per chunk). False: take the tensor path."""
+        if kv.kvcaches[0].device.type != "cpu" or not copy_ops.native_enabled():
+            return False
+        _check_spans(objs, starts, ends)
+        counts = [e - s for s, e in zip(starts, ends)]
+        shapes = {n: tuple(self.get_shape(n)) for n in set(counts)}
+        ptrs = pool_addresses(objs, [shapes[n] for n in counts], kv.kvcaches[0].dtype)
+        if ptrs is None:
+            return False
+        mod = native.load()
+        assert mod is not None  # native_enabled()
+        mod.paged_copy_at(direction, kv.kvcaches, kv.geometry, kv.slot_mapping, starts, counts, ptrs)
+        return True

@@ -13,6 +13,7 @@ Allocation failure is not an error: the caller skips the store.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from lmcache.errors import resolved
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation
+from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation, pool_bytes
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
@@ -108,6 +109,31 @@ class StorageManager:
         (:class:`~lmcache.v1.memory_management.PoolReservation`), evicting from L1 as
         needed; None if the pool has no contiguous room for them (use :meth:`allocate`)."""
         return self.local_cpu.reserve(shape, dtype, fmt, count)
+
+    def allocate_many(
+        self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat, count: int
+    ) -> list[MemoryObj]:
+        """Up to ``count`` pool objects of one shape (ref 1 each, the caller owns them),
+        evicting from L1 as needed: one contiguous reservation per slab-full when the pool
+        has the room (objects made without a tensor op), else one by one. Fewer than
+        ``count`` (a prefix of the request) when the pool is full."""
+        objs: list[MemoryObj] = []
+        per = max(1, self.max_reservation_bytes // pool_bytes(math.prod(int(d) for d in shape) * dtype.itemsize))
+        contiguous = True
+        while len(objs) < count:
+            n = min(per, count - len(objs))
+            if contiguous and n > 1:
+                res = self.reserve(shape, dtype, fmt, n)
+                if res is not None:
+                    objs += res.take_many(range(n))
+                    res.release()  # every slot is taken: marks the reservation done
+                    continue
+                contiguous = False  # no such block: one by one from here (no retries)
+            obj = self.allocate(shape, dtype, fmt)
+            if obj is None:
+                break
+            objs.append(obj)
+        return objs
 
     @property
     def max_reservation_bytes(self) -> int:
