@@ -278,6 +278,21 @@ static PyObject *int_stats(PyObject *self, PyObject *args) {
     return Py_BuildValue("(Ln)", (long long)hi, neg);
 }
 
+/* common_prefix(a, b) -> number of equal leading 4-byte items of two byte buffers (int32
+ * token arrays or their bytes), up to the shorter one. One memcmp-speed pass. */
+static PyObject *common_prefix(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer a, b;
+    if (!PyArg_ParseTuple(args, "y*y*", &a, &b)) return NULL;
+    Py_ssize_t n = (a.len < b.len ? a.len : b.len) / 4, i = 0;
+    const uint8_t *pa = (const uint8_t *)a.buf, *pb = (const uint8_t *)b.buf;
+    while (i + 64 <= n && memcmp(pa + 4 * i, pb + 4 * i, 256) == 0) i += 64;
+    while (i < n && memcmp(pa + 4 * i, pb + 4 * i, 4) == 0) ++i;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(i);
+}
+
 static PyObject *hash_chunks(PyObject *self, PyObject *args) {
     PyObject *tokens;
     Py_buffer seed;
@@ -613,6 +628,7 @@ static PyMethodDef methods[] = {
     {"tokens_int32_at", tokens_int32_at, METH_VARARGS,
      "(address, n, itemsize) -> bytearray of little-endian int32 from a contiguous int32/int64 buffer, or None"},
     {"int_stats", int_stats, METH_VARARGS, "(address, n, itemsize) -> (max, first negative index or n), n > 0"},
+    {"common_prefix", common_prefix, METH_VARARGS, "(a, b) -> equal leading 4-byte items of two buffers"},
     {"make_keys", make_keys, METH_VARARGS, "(key_type, fields, hash_field, digests, first) -> list of keys"},
     {"register_key_type", register_key_type, METH_VARARGS,
      "(cls, eq_fields, hash_fields): slot descriptors compared by KeyBase.__eq__ / folded in by KeyBase.__hash__"},

@@ -20,6 +20,7 @@ e.g. a list holding numpy scalars) the hashlib path below computes the same keys
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -106,10 +107,57 @@ def _span(start: int, end: int, key: CacheEngineKey) -> ChunkSpan:
     return span
 
 
+class _RecentDigests:
+    """The chained digests of the last few token arrays :meth:`ChunkedTokenDatabase.spans_of`
+    hashed, so that a later request sharing a chunk-aligned prefix (with the same seed)
+    hashes only the rest: vLLM stores a request right after retrieving its prefix, and a
+    chat turn extends the previous one. Exact, not probabilistic: the reused chunks' tokens
+    are compared byte for byte (``lmcache._keyhash.common_prefix``). Holds a copy of each
+    remembered array's bytes (at most ``MAX_ENTRIES`` arrays). Thread-safe (one lock)."""
+
+    MAX_ENTRIES = 8
+
+    __slots__ = ("_chunk", "_entries", "_lock")
+
+    def __init__(self, chunk_size: int) -> None:
+        self._chunk = chunk_size
+        self._entries: list[tuple[bytes, bytes, bytes]] = []  # (seed, token bytes, digests), newest first
+        self._lock = threading.Lock()
+
+    def reuse(self, seed: bytes, arr: np.ndarray) -> tuple[bytes, bool]:
+        """Digests of the longest run of ``arr``'s leading full chunks some remembered array
+        with the same ``seed`` shares (b"" when none), and whether one of them holds
+        exactly ``arr`` (nothing new to remember)."""
+        c, n = self._chunk, arr.shape[0]
+        best = b""
+        with self._lock:
+            entries = list(self._entries)
+        for e_seed, e_tokens, e_digests in entries:
+            if e_seed != seed:
+                continue
+            same = _native_keyhash.common_prefix(e_tokens, arr)
+            if same == n == len(e_tokens) // 4:
+                return e_digests[: 16 * (n // c)], True
+            chunks = min(same // c, len(e_tokens) // (4 * c))
+            if 16 * chunks > len(best):
+                best = e_digests[: 16 * chunks]
+        return best, False
+
+    def remember(self, seed: bytes, arr: np.ndarray, digests: bytes) -> None:
+        """Keep ``arr``'s bytes and chained digests (the oldest entry goes)."""
+        if arr.shape[0] < self._chunk:
+            return
+        entry = (seed, arr.tobytes(), digests)
+        with self._lock:
+            self._entries.insert(0, entry)
+            del self._entries[self.MAX_ENTRIES :]
+
+
 class ChunkedTokenDatabase:
     """Splits token sequences into fixed-size chunks and names each with a chained key.
 
-    Stateless apart from config; safe to call from any thread.
+    Stateless apart from config and a cache of recent digests (:class:`_RecentDigests`,
+    exact); safe to call from any thread.
     """
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata) -> None:
@@ -140,9 +188,17 @@ class ChunkedTokenDatabase:
             "dtype": template.dtype,
         }
         self._fixed_cache: dict[tuple[tuple[str, str], ...], tuple[tuple[Any, Any], ...]] = {}
+        self._seed_cache: dict[bytes, bytes] = {}
+        self._recent = _RecentDigests(self.chunk_size)
 
     def _seed(self, extras: KeyExtras) -> bytes:
-        return hashlib.blake2b(self._namespace + extras.encode(), digest_size=16).digest()
+        code = extras.encode()  # the cache key: exact (1, 1.0 and True are equal values but encode apart)
+        seed = self._seed_cache.get(code)
+        if seed is None:
+            seed = hashlib.blake2b(self._namespace + code, digest_size=16).digest()
+            if len(self._seed_cache) < 64:
+                self._seed_cache[code] = seed
+        return seed
 
     def chain_digest(self, arr: np.ndarray, chunk_index: int, extras: KeyExtras) -> bytes:
         """The digest chunk ``chunk_index`` of ``arr`` chains on: the seed for chunk 0,
@@ -276,9 +332,15 @@ class ChunkedTokenDatabase:
         n = arr.shape[0]
         partial = self.save_unfull_chunk if include_partial is None else include_partial
         seed = self._seed(extras)
-        got = self._digests(arr, seed, partial)
-        digests = got[1] if got is not None else self._digests_py(arr, seed, partial)
         c = self.chunk_size
+        native = native_hashing()
+        head, known = self._recent.reuse(seed, arr) if native else (b"", False)  # digests of a shared prefix
+        rest = arr[len(head) // 16 * c :]
+        prev = head[-16:] if head else seed
+        got = self._digests(rest, prev, partial)
+        digests = head + (got[1] if got is not None else self._digests_py(rest, prev, partial))
+        if native and not known:
+            self._recent.remember(seed, arr, digests)
         first_chunk = -(-first // c)
         keys = self._keys(digests, extras, first_chunk)
         return [_span(i * c, min(i * c + c, n), key) for i, key in enumerate(keys, first_chunk)]

@@ -205,3 +205,36 @@ def test_native_slot_scan_equals_numpy(slots, n, form):
         t = torch.tensor([5, *slots], dtype=torch.int32)[1:]
     with pytest.MonkeyPatch.context() as mp:
         assert _slots_outcome(t, n, 64, mp, "1") == _slots_outcome(t, n, 64, mp, "0")
+
+
+@native
+@settings(max_examples=80, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 3), max_size=60),  # a small alphabet: many shared prefixes
+    edits=st.lists(
+        st.tuples(st.sampled_from(["prefix", "extend", "change", "salt"]), st.integers(0, 60), st.integers(0, 3)),
+        min_size=1,
+        max_size=12,
+    ),
+    chunk=st.sampled_from([1, 3, 8]),
+    partial=st.booleans(),
+)
+def test_recent_digest_reuse_gives_the_reference_keys(base, edits, chunk, partial):
+    """A stream of requests through one database (prefixes, extensions, one changed token,
+    another cache salt): whatever it remembered from earlier requests, every request's keys
+    are the reference chain (the remembered digests are reused only for equal tokens and seed)."""
+    db = make_db(chunk)
+    tokens, salt = list(base), None
+    for kind, pos, val in edits:
+        if kind == "prefix":
+            tokens = tokens[:pos]
+        elif kind == "extend":
+            tokens = tokens + [val] * (pos % 7 + 1)
+        elif kind == "change" and tokens:
+            tokens = list(tokens)
+            tokens[pos % len(tokens)] = val + 100
+        elif kind == "salt":
+            salt = None if val == 0 else str(val)
+        ex = KeyExtras.from_kwargs({} if salt is None else {"cache_salt": salt})
+        spans = db.spans(np.asarray(tokens, dtype=np.int32), include_partial=partial, **extras_kwargs(ex))
+        assert [s.key.chunk_hash for s in spans] == reference_hashes(db, tokens, ex, partial)
