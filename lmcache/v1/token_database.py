@@ -113,9 +113,11 @@ class _RecentDigests:
     hashes only the rest: vLLM stores a request right after retrieving its prefix, and a
     chat turn extends the previous one. Exact, not probabilistic: the reused chunks' tokens
     are compared byte for byte (``lmcache._keyhash.common_prefix``). Holds a copy of each
-    remembered array's bytes (at most ``MAX_ENTRIES`` arrays). Thread-safe (one lock)."""
+    remembered array's bytes: at most ``MAX_ENTRIES`` arrays and ``MAX_BYTES`` of tokens
+    (4 bytes each; a longer array is not remembered). Thread-safe (one lock)."""
 
     MAX_ENTRIES = 8
+    MAX_BYTES = 16 << 20
 
     __slots__ = ("_chunk", "_entries", "_lock")
 
@@ -145,12 +147,19 @@ class _RecentDigests:
 
     def remember(self, seed: bytes, arr: np.ndarray, digests: bytes) -> None:
         """Keep ``arr``'s bytes and chained digests (the oldest entry goes)."""
-        if arr.shape[0] < self._chunk:
+        if arr.shape[0] < self._chunk or 4 * arr.shape[0] > self.MAX_BYTES:
             return
         entry = (seed, arr.tobytes(), digests)
         with self._lock:
-            self._entries.insert(0, entry)
-            del self._entries[self.MAX_ENTRIES :]
+            entries = self._entries
+            entries.insert(0, entry)
+            del entries[self.MAX_ENTRIES :]
+            total = 0
+            for i, (_, tokens, _) in enumerate(entries):
+                total += len(tokens)
+                if total > self.MAX_BYTES:
+                    del entries[i:]
+                    break
 
 
 class ChunkedTokenDatabase:

@@ -238,3 +238,17 @@ def test_recent_digest_reuse_gives_the_reference_keys(base, edits, chunk, partia
         ex = KeyExtras.from_kwargs({} if salt is None else {"cache_salt": salt})
         spans = db.spans(np.asarray(tokens, dtype=np.int32), include_partial=partial, **extras_kwargs(ex))
         assert [s.key.chunk_hash for s in spans] == reference_hashes(db, tokens, ex, partial)
+
+
+@native
+def test_recent_digests_stay_within_their_bounds(monkeypatch):
+    db = make_db(4)
+    monkeypatch.setattr(type(db._recent), "MAX_BYTES", 4 * 40)
+    ex = KeyExtras.from_kwargs({})
+    for i in range(12):
+        db.spans(np.full(16, i, dtype=np.int32))
+    before = [t for _, t, _ in db._recent._entries]
+    assert before == [np.full(16, i, dtype="<i4").tobytes() for i in (11, 10)]  # 40 tokens: two arrays of 16
+    db.spans(np.zeros(41, dtype=np.int32))  # longer than the whole budget: not remembered
+    assert [t for _, t, _ in db._recent._entries] == before
+    assert [s.key.chunk_hash for s in db.spans(np.full(16, 11, dtype=np.int32))] == reference_hashes(db, [11] * 16, ex, False)
