@@ -89,6 +89,11 @@ class _Args(ctypes.Structure):
     ]
 
 
+_ARG_INDEX = {name: i for i, (name, _) in enumerate(_Args._fields_)}
+"""Word index of each ``_Args`` field (every field is 8 bytes: the structure is an int64 array)."""
+assert ctypes.sizeof(_Args) == 8 * len(_ARG_INDEX)
+
+
 def _i64_array(values: Sequence[int]) -> ctypes.Array:
     return (ctypes.c_int64 * max(1, len(values)))(*values)
 
@@ -439,28 +444,36 @@ class LayerCopyPlan:
         self._like = (first.shape, first.stride(), first.dtype, first.device)
         self._checked = [False] * len(layers)
         self._num_chunks = len(counts)
-        # One int64 array holds every small argument array (one allocation, not six ctypes
-        # arrays): the components' views, this layer's pointer, its block count, the error
-        # info and the chunk infos, then one memory pointer per chunk.
+        # One int64 array holds the argument block (``_Args``, all 8-byte fields) and every
+        # small array it points to: one allocation instead of a ctypes structure and six
+        # ctypes arrays. Layout: args | components' views | this layer's pointer, its block
+        # count | error info | chunk infos | one memory pointer per chunk.
         comps = [v for c in geom.components for v in c.as_tuple()]
-        n_comps = len(comps)
-        self._layer_at, self._error_at, self._mem_at = n_comps, n_comps + 2, n_comps + 4 + len(chunk_info)
-        self._buf = array.array("q", comps)
-        self._buf.extend((0, layer_block_counts([first], geom)[0], 0, 0))
-        self._buf.extend(chunk_info)
-        self._buf.frombytes(bytes(8 * max(1, self._num_chunks)))  # the memory pointers, zeroed
-        base, word = self._buf.buffer_info()[0], self._buf.itemsize
+        head = len(_Args._fields_)
+        self._comps_at = head
+        self._layer_at = head + len(comps)
+        self._error_at = self._layer_at + 2
+        self._mem_at = self._error_at + 2 + len(chunk_info)
+        buf = self._buf = array.array("q", bytes(8 * head))
+        buf.extend(comps)
+        buf.extend((0, layer_block_counts([first], geom)[0], 0, 0))
+        buf.extend(chunk_info)
+        buf.frombytes(bytes(8 * max(1, self._num_chunks)))  # the memory pointers, zeroed
+        base = buf.buffer_info()[0]
+        fields = {
+            "direction": direction, "elem_size": first.element_size(), "num_layers": 1,
+            "num_comps": num_comps, "num_chunks": self._num_chunks, "num_blocks": geom.num_blocks,
+            "block_size": geom.block_size, "num_heads": geom.num_heads, "head_size": geom.head_size,
+            "num_slots": num_slots, "num_threads": kernels.num_threads, "flags": kernels.nt_mode,
+            "comps": base + 8 * self._comps_at, "layer_ptrs": base + 8 * self._layer_at,
+            "slots": slots.data_ptr(), "chunk_info": base + 8 * (self._error_at + 2),
+            "mem_ptrs": base + 8 * self._mem_at, "error_info": base + 8 * self._error_at,
+            "layer_blocks": base + 8 * (self._layer_at + 1),
+        }
+        for name, value in fields.items():
+            buf[_ARG_INDEX[name]] = value
         self._geom = geom
-        self._args = _kernel_args(
-            direction, first, geom, slots, num_layers=1, num_chunks=self._num_chunks,
-            num_threads=kernels.num_threads, flags=kernels.nt_mode,
-            comps=base,
-            layer_ptrs=base + word * self._layer_at,
-            layer_blocks=base + word * (self._layer_at + 1),
-            error_info=base + word * self._error_at,
-            chunk_info=base + word * (self._error_at + 2),
-            mem_ptrs=base + word * self._mem_at,
-        )
+        self._args = _Args.from_address(base)  # a view of buf's head (buf keeps it alive)
 
     @property
     def num_chunks(self) -> int:
