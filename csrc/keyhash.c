@@ -256,25 +256,23 @@ static PyObject *int_stats(PyObject *self, PyObject *args) {
     }
     int64_t lo = INT64_MAX, hi = INT64_MIN;
     Py_ssize_t neg = n;
-    if (itemsize == 8) {
-        const int64_t *v = (const int64_t *)buf;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            lo = v[i] < lo ? v[i] : lo;
-            hi = v[i] > hi ? v[i] : hi;
-        }
-        if (lo < 0)
-            for (neg = 0; v[neg] >= 0; ++neg) {
-            }
-    } else {
-        const int32_t *v = (const int32_t *)buf;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            lo = v[i] < lo ? v[i] : lo;
-            hi = v[i] > hi ? v[i] : hi;
-        }
-        if (lo < 0)
-            for (neg = 0; v[neg] >= 0; ++neg) {
-            }
-    }
+/* min/max in one branch-free pass (vectorised), then the first negative only if there is one */
+#define LMC_SCAN(T)                                    \
+    do {                                               \
+        const T *v = (const T *)buf;                   \
+        for (Py_ssize_t i = 0; i < n; ++i) {           \
+            lo = v[i] < lo ? v[i] : lo;                \
+            hi = v[i] > hi ? v[i] : hi;                \
+        }                                              \
+        if (lo < 0)                                    \
+            for (neg = 0; v[neg] >= 0; ++neg) {        \
+            }                                          \
+    } while (0)
+    if (itemsize == 8)
+        LMC_SCAN(int64_t);
+    else
+        LMC_SCAN(int32_t);
+#undef LMC_SCAN
     return Py_BuildValue("(Ln)", (long long)hi, neg);
 }
 
