@@ -142,6 +142,19 @@ static inline int read_token(PyObject *item, int32_t *out) {
     return 1;
 }
 
+/* src -> dst as int32 in one branch-free pass (the compiler vectorises it); 0 when a value
+ * does not fit int32 (dst is then garbage). */
+static int narrow_i64(const int64_t *src, int32_t *dst, Py_ssize_t n) {
+    int64_t lo = 0, hi = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        int64_t v = src[i];
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        dst[i] = (int32_t)v;
+    }
+    return lo >= INT32_MIN && hi <= INT32_MAX;
+}
+
 /* tokens_int32(tokens) -> bytearray of little-endian int32, or None (declined: the caller's
  * Python path validates and raises). Takes an exact list / tuple of exact ints, or a 1-D
  * C-contiguous buffer of int64 (a numpy array or a CPU tensor's numpy view); one pass that
@@ -182,17 +195,9 @@ static PyObject *tokens_int32(PyObject *self, PyObject *tokens) {
         PyBuffer_Release(&view);
         return NULL;
     }
-    const int64_t *src = (const int64_t *)view.buf;
-    int32_t *dst = (int32_t *)PyByteArray_AS_STRING(out);
-    int64_t lo = 0, hi = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) { /* branch-free: the compiler vectorises it */
-        int64_t v = src[i];
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        dst[i] = (int32_t)v;
-    }
+    int fits = narrow_i64((const int64_t *)view.buf, (int32_t *)PyByteArray_AS_STRING(out), n);
     PyBuffer_Release(&view);
-    if (lo < INT32_MIN || hi > INT32_MAX) {
+    if (!fits) {
         Py_DECREF(out);
         Py_RETURN_NONE;
     }
@@ -228,15 +233,7 @@ static PyObject *tokens_int32_at(PyObject *self, PyObject *args) {
         memcpy(dst, buf, (size_t)(4 * n));
         return out;
     }
-    const int64_t *src = (const int64_t *)buf;
-    int64_t lo = 0, hi = 0;
-    for (Py_ssize_t i = 0; i < n; ++i) { /* branch-free: the compiler vectorises it */
-        int64_t v = src[i];
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        dst[i] = (int32_t)v;
-    }
-    if (lo < INT32_MIN || hi > INT32_MAX) {
+    if (!narrow_i64((const int64_t *)buf, dst, n)) {
         Py_DECREF(out);
         Py_RETURN_NONE;
     }
