@@ -607,28 +607,6 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_b16_avx512(u8* d, int
   for (int64_t c = cols8; c < cols; ++c)
     for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
 }
-// A scatter's transpose straight from the strided memory rows (AVX-512 only): 32 rows at a
-// time across all columns, so the lines of those rows are used up while they are in L1 (rows
-// 2 KiB apart share two L1 sets and would evict each other if the tiles walked the columns
-// first). Cheaper than the dense scratch copy: vllm-cpu scatter at block 128 0.74 -> 0.77.
-template <bool NT>
-__attribute__((target("avx512f,avx512bw"))) void transpose_rows_first_b16_avx512(u8* d, int64_t dr, const u8* s,
-                                                                                 int64_t sr, int64_t rows,
-                                                                                 int64_t cols, Prefetcher& pf) {
-  const int64_t rows32 = rows / 32 * 32, cols8 = cols / 8 * 8;
-  for (int64_t r0 = 0; r0 < rows32; r0 += 32) {
-    for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
-      tile32x8_b16_avx512<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
-      pf.step();
-      pf.step();
-      pf.step();
-      pf.step();
-    }
-    for (int64_t c = cols8; c < cols; ++c)
-      for (int64_t r = r0; r < r0 + 32; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
-  }
-  if (rows > rows32) transpose_b16_avx2<false>(d + rows32 * 2, dr, s + rows32 * sr, sr, rows - rows32, cols, pf);
-}
 // Block-16 K pages in whole 64-byte lines (AVX-512). A [rows x 16] K page of 2-byte
 // elements is contiguous: each line holds two d-rows of 16 tokens. 32 d-rows (16 lines,
 // 1 KiB) become 16 tokens x 32 d (one line per token) in registers: 256-bit halves loaded
@@ -659,18 +637,25 @@ __attribute__((target("avx512f,avx512bw"))) inline void store64(u8* p, __m512i v
     _mm512_storeu_si512(reinterpret_cast<__m512i*>(p), v);
 }
 
-// 32 d-rows of a block-16 K page (16 lines at s) -> 16 token rows of 32 d at d, dr bytes apart.
+// A 32 x 16 tile in whole lines: 32 source rows (sr bytes apart) x 16 elements (32 bytes of
+// each) -> 16 destination rows of 32 elements (one 64-byte line each, dr apart). The 256-bit
+// halves are loaded so that lane bit 1 is source row bit 4 and register bit 0 is row bit 0,
+// an 8x8 in-lane word transpose runs per half (row bit 3 = 0 / 1), and one two-source qword
+// permute swaps row bit 3 with column bit 3. 32 loads (16 of them inserts), 64 shuffles,
+// 16 whole-line stores and two source addresses per KiB (a 32x8 tile: 64 loads, 48 inserts,
+// 48 shuffles and 32 row addresses per KiB).
 template <bool NT>
-__attribute__((target("avx512f,avx512bw"))) inline void kpage16_group_gather(u8* d, int64_t dr, const u8* s) {
+__attribute__((target("avx512f,avx512bw"))) inline void tile32x16_b16_avx512(u8* d, int64_t dr, const u8* s,
+                                                                             int64_t sr) {
   const __m512i lo_idx = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
   const __m512i hi_idx = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-  __m512i a[8], b[8];  // d3 = 0 / 1; register k: d-row k (low half) and k + 16 (high half)
+  __m512i a[8], b[8];  // row bit 3 = 0 / 1; register k: rows k (low half) and k + 16 (high half)
   for (int k = 0; k < 8; ++k) {
-    const u8* p = s + 64 * (k >> 1) + 32 * (k & 1);
+    const u8* p = s + k * sr;
     a[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)), 1);
-    b[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 768)), 1);
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * sr)), 1);
+    b[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8 * sr))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 24 * sr)), 1);
   }
   lanes8x8_b16_avx512(a);
   lanes8x8_b16_avx512(b);
@@ -680,6 +665,28 @@ __attribute__((target("avx512f,avx512bw"))) inline void kpage16_group_gather(u8*
   }
 }
 
+// A scatter's transpose straight from the strided memory rows (AVX-512 only): 32 rows at a
+// time across all columns, so the lines of those rows are used up while they are in L1 (rows
+// 2 KiB apart share two L1 sets and would evict each other if the tiles walked the columns
+// first). Cheaper than the dense scratch copy: vllm-cpu scatter at block 128 0.74 -> 0.77.
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) void transpose_rows_first_b16_avx512(u8* d, int64_t dr, const u8* s,
+                                                                                 int64_t sr, int64_t rows,
+                                                                                 int64_t cols, Prefetcher& pf) {
+  const int64_t rows32 = rows / 32 * 32, cols8 = cols / 8 * 8;
+  for (int64_t r0 = 0; r0 < rows32; r0 += 32) {
+    for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
+      tile32x8_b16_avx512<NT>(d + c0 * dr + r0 * 2, dr, s + r0 * sr + c0 * 2, sr);
+      pf.step();
+      pf.step();
+      pf.step();
+      pf.step();
+    }
+    for (int64_t c = cols8; c < cols; ++c)
+      for (int64_t r = r0; r < r0 + 32; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
+  }
+  if (rows > rows32) transpose_b16_avx2<false>(d + rows32 * 2, dr, s + rows32 * sr, sr, rows - rows32, cols, pf);
+}
 // page [rows x 16] (contiguous, rows % 32 == 0) -> 16 rows of `rows` elements, dr bytes apart.
 // With non-temporal stores (and rows <= 256) the page is transposed into an L1 buffer first
 // and each destination row then written whole, its lines back to back: written group by
@@ -693,7 +700,7 @@ __attribute__((target("avx512f,avx512bw"))) void kpage16_gather_avx512(u8* d, in
     alignas(64) u8 buf[16 * 512];
     const int64_t rb = rows * 2;
     for (int64_t g = 0; g < groups; ++g) {
-      kpage16_group_gather<false>(buf + g * 64, rb, s + g * 1024);
+      tile32x16_b16_avx512<false>(buf + g * 64, rb, s + g * 1024, 32);
       for (int i = 0; i < 8; ++i) pf.step();
     }
     for (int t = 0; t < 16; ++t)
@@ -701,7 +708,7 @@ __attribute__((target("avx512f,avx512bw"))) void kpage16_gather_avx512(u8* d, in
     return;
   }
   for (int64_t g = 0; g < groups; ++g) {
-    kpage16_group_gather<NT>(d + g * 64, dr, s + g * 1024);
+    tile32x16_b16_avx512<NT>(d + g * 64, dr, s + g * 1024, 32);
     for (int i = 0; i < 8; ++i) pf.step();
   }
 }
