@@ -132,6 +132,8 @@ class _RecentDigests:
         exactly ``arr`` (nothing new to remember)."""
         c, n = self._chunk, arr.shape[0]
         best = b""
+        if not arr.flags.c_contiguous:  # compared as a buffer: a strided view is simply not reused
+            return best, False
         with self._lock:
             entries = list(self._entries)
         for e_seed, e_tokens, e_digests in entries:
