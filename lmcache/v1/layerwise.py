@@ -100,13 +100,16 @@ class LayerKeys(Sequence[list[LayerCacheEngineKey]]):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {num_layers}")
         self._chunks = list(chunk_keys)
-        self._rows = [_row(k, num_layers) for k in self._chunks]
+        cached = _rows.get  # the rows of recently seen chunks: no call per chunk
+        self._rows = [
+            row if (row := cached(k)) is not None and len(row) == num_layers else _row(k, num_layers) for k in self._chunks
+        ]
         self._layers: list[list[LayerCacheEngineKey] | None] = [None] * num_layers
 
     def select(self, chunks: Sequence[int]) -> LayerKeys:
         """The layer keys of the chunks at ``chunks`` (positions into this request's chunks),
         sharing the rows already looked up; ``self`` when that is every chunk in order."""
-        if len(chunks) == len(self._chunks) and all(i == j for i, j in enumerate(chunks)):
+        if list(chunks) == list(range(len(self._chunks))):
             return self
         out = LayerKeys.__new__(LayerKeys)
         out._chunks = [self._chunks[j] for j in chunks]

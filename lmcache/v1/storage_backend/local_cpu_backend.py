@@ -123,8 +123,7 @@ class LocalCPUBackend(StorageBackend):
     def resident_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """For each key, whether this tier holds it (one lock hold; no pins, no recency change)."""
         with self._lock:
-            index = self._index
-            return [key in index for key in keys]
+            return self._index.present(keys)
 
     def batched_contains(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
         if not pin:

@@ -85,6 +85,10 @@ class ResidentIndex(Generic[K, V]):
     def __contains__(self, key: object) -> bool:
         return key in self._slots
 
+    def present(self, keys: Iterable[K]) -> list[bool]:
+        """For each key, whether it is indexed (one C-level pass, no Python call per key)."""
+        return list(map(self._slots.__contains__, keys))
+
     def __iter__(self) -> Iterator[K]:
         return iter(list(self._slots))
 
@@ -137,14 +141,17 @@ class ResidentIndex(Generic[K, V]):
         """One sequence's entries (``keys`` head first), visited tail first: a present key is
         touched; an absent one with a value is indexed after ``take(value)`` (the caller's
         hook for taking its reference). Returns the inserted keys, tail first."""
-        slots, on_hit = self._slots, self.policy.on_hit
+        slots, on_hit, on_insert = self._slots, self.policy.on_hit, self.policy.on_insert
         inserted: list[K] = []
         for key, value in zip(reversed(keys), reversed(values)):
             if key in slots:
                 on_hit(key)
             elif value is not None:
                 take(value)
-                self._add(key, value, size_of(value), 0)
+                size = size_of(value)
+                slots[key] = _Slot(value, size, 0)  # _add, inlined: a layer's keys in one loop
+                self.used += size
+                on_insert(key)
                 inserted.append(key)
         return inserted
 
