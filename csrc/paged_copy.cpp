@@ -548,6 +548,31 @@ __attribute__((target("avx2"))) void transpose_b16_avx2(u8* d, int64_t dr, const
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// An 8x8 word transpose in each 128-bit lane of eight registers (the unpack network of
+// the AVX-512 tiles below).
+__attribute__((target("avx512f,avx512bw"))) inline void lanes8x8_b16_avx512(__m512i r[8]) {
+  const __m512i a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
+  const __m512i a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
+  const __m512i a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
+  const __m512i a6 = _mm512_unpacklo_epi16(r[6], r[7]), a7 = _mm512_unpackhi_epi16(r[6], r[7]);
+  const __m512i b0 = _mm512_unpacklo_epi32(a0, a2), b1 = _mm512_unpackhi_epi32(a0, a2);
+  const __m512i b2 = _mm512_unpacklo_epi32(a1, a3), b3 = _mm512_unpackhi_epi32(a1, a3);
+  const __m512i b4 = _mm512_unpacklo_epi32(a4, a6), b5 = _mm512_unpackhi_epi32(a4, a6);
+  const __m512i b6 = _mm512_unpacklo_epi32(a5, a7), b7 = _mm512_unpackhi_epi32(a5, a7);
+  r[0] = _mm512_unpacklo_epi64(b0, b4), r[1] = _mm512_unpackhi_epi64(b0, b4);
+  r[2] = _mm512_unpacklo_epi64(b1, b5), r[3] = _mm512_unpackhi_epi64(b1, b5);
+  r[4] = _mm512_unpacklo_epi64(b2, b6), r[5] = _mm512_unpackhi_epi64(b2, b6);
+  r[6] = _mm512_unpacklo_epi64(b3, b7), r[7] = _mm512_unpackhi_epi64(b3, b7);
+}
+
+template <bool NT>
+__attribute__((target("avx512f,avx512bw"))) inline void store64(u8* p, __m512i v) {
+  if constexpr (NT)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+  else
+    _mm512_storeu_si512(reinterpret_cast<__m512i*>(p), v);
+}
+
 // AVX-512BW, 2-byte elements: a 32 x 8 tile -> 8 rows of 32 elements (one 64-byte line each).
 // Lane k of input register r holds source row r + 8k; the 8x8 unpack network runs in all four
 // lanes at once, so output register j is destination row j. Half the shuffles per byte of the
@@ -562,24 +587,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void tile32x8_b16_avx512(u8* 
     v = _mm512_inserti32x4(v, load16(s + (k + 16) * sr), 2);
     r[k] = _mm512_inserti32x4(v, load16(s + (k + 24) * sr), 3);
   }
-  const __m512i a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
-  const __m512i a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
-  const __m512i a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
-  const __m512i a6 = _mm512_unpacklo_epi16(r[6], r[7]), a7 = _mm512_unpackhi_epi16(r[6], r[7]);
-  const __m512i b0 = _mm512_unpacklo_epi32(a0, a2), b1 = _mm512_unpackhi_epi32(a0, a2);
-  const __m512i b2 = _mm512_unpacklo_epi32(a1, a3), b3 = _mm512_unpackhi_epi32(a1, a3);
-  const __m512i b4 = _mm512_unpacklo_epi32(a4, a6), b5 = _mm512_unpackhi_epi32(a4, a6);
-  const __m512i b6 = _mm512_unpacklo_epi32(a5, a7), b7 = _mm512_unpackhi_epi32(a5, a7);
-  const __m512i out[8] = {_mm512_unpacklo_epi64(b0, b4), _mm512_unpackhi_epi64(b0, b4),
-                          _mm512_unpacklo_epi64(b1, b5), _mm512_unpackhi_epi64(b1, b5),
-                          _mm512_unpacklo_epi64(b2, b6), _mm512_unpackhi_epi64(b2, b6),
-                          _mm512_unpacklo_epi64(b3, b7), _mm512_unpackhi_epi64(b3, b7)};
-  for (int j = 0; j < 8; ++j) {
-    if constexpr (NT)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + j * dr), out[j]);
-    else
-      _mm512_storeu_si512(reinterpret_cast<__m512i*>(d + j * dr), out[j]);
-  }
+  lanes8x8_b16_avx512(r);
+  for (int j = 0; j < 8; ++j) store64<NT>(d + j * dr, r[j]);
 }
 
 // Like transpose_b16_avx2, 32-row tiles in AVX-512 (the rest of the rows in AVX2 / SSE2 tiles).
@@ -607,6 +616,7 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_b16_avx512(u8* d, int
   for (int64_t c = cols8; c < cols; ++c)
     for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
 }
+
 // Block-16 K pages in whole 64-byte lines (AVX-512). A [rows x 16] K page of 2-byte
 // elements is contiguous: each line holds two d-rows of 16 tokens. 32 d-rows (16 lines,
 // 1 KiB) become 16 tokens x 32 d (one line per token) in registers: 256-bit halves loaded
@@ -614,29 +624,6 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_b16_avx512(u8* d, int
 // half (d3 = 0 / 1), and one two-source qword permute that swaps d3 with the token bit 3.
 // 16 line loads, 16 insert-loads, 64 shuffles and 16 whole-line stores per KiB (the
 // 32x8-tile path: 64 loads, 48 inserts, 48 shuffles and 32 row addresses per KiB).
-__attribute__((target("avx512f,avx512bw"))) inline void lanes8x8_b16_avx512(__m512i r[8]) {
-  const __m512i a0 = _mm512_unpacklo_epi16(r[0], r[1]), a1 = _mm512_unpackhi_epi16(r[0], r[1]);
-  const __m512i a2 = _mm512_unpacklo_epi16(r[2], r[3]), a3 = _mm512_unpackhi_epi16(r[2], r[3]);
-  const __m512i a4 = _mm512_unpacklo_epi16(r[4], r[5]), a5 = _mm512_unpackhi_epi16(r[4], r[5]);
-  const __m512i a6 = _mm512_unpacklo_epi16(r[6], r[7]), a7 = _mm512_unpackhi_epi16(r[6], r[7]);
-  const __m512i b0 = _mm512_unpacklo_epi32(a0, a2), b1 = _mm512_unpackhi_epi32(a0, a2);
-  const __m512i b2 = _mm512_unpacklo_epi32(a1, a3), b3 = _mm512_unpackhi_epi32(a1, a3);
-  const __m512i b4 = _mm512_unpacklo_epi32(a4, a6), b5 = _mm512_unpackhi_epi32(a4, a6);
-  const __m512i b6 = _mm512_unpacklo_epi32(a5, a7), b7 = _mm512_unpackhi_epi32(a5, a7);
-  r[0] = _mm512_unpacklo_epi64(b0, b4), r[1] = _mm512_unpackhi_epi64(b0, b4);
-  r[2] = _mm512_unpacklo_epi64(b1, b5), r[3] = _mm512_unpackhi_epi64(b1, b5);
-  r[4] = _mm512_unpacklo_epi64(b2, b6), r[5] = _mm512_unpackhi_epi64(b2, b6);
-  r[6] = _mm512_unpacklo_epi64(b3, b7), r[7] = _mm512_unpackhi_epi64(b3, b7);
-}
-
-template <bool NT>
-__attribute__((target("avx512f,avx512bw"))) inline void store64(u8* p, __m512i v) {
-  if constexpr (NT)
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
-  else
-    _mm512_storeu_si512(reinterpret_cast<__m512i*>(p), v);
-}
-
 // A 32 x 16 tile in whole lines: 32 source rows (sr bytes apart) x 16 elements (32 bytes of
 // each) -> 16 destination rows of 32 elements (one 64-byte line each, dr apart). The 256-bit
 // halves are loaded so that lane bit 1 is source row bit 4 and register bit 0 is row bit 0,
