@@ -14,7 +14,7 @@ csrc/keyhash.c) when it is importable: it reads a Python token list (or an int32
 directly, converting and hashing every chunk in one pass, and builds the keys without
 running their ``__init__``. Without it (or when it declines an input it does not handle,
 e.g. a list holding numpy scalars) the hashlib path below computes the same keys.
-``LMCACHE_NATIVE_HASH=0`` forces the hashlib path.
+``LMCACHE_NATIVE_HASH=0`` at import forces the hashlib path.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Two implementations with one signature:
   tensors are on a device they were built for;
 * a pure-torch fallback (this module), always available.
 
-``LMCACHE_USE_NATIVE=0`` forces the fallback.
+``LMCACHE_USE_NATIVE=0`` at import forces the fallback (tests switch ``USE_NATIVE``).
 
 Both take a whole batch of chunks and all layers in one call:
 

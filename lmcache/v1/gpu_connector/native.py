@@ -21,7 +21,7 @@ Environment:
 * ``LMCACHE_NATIVE_ISA=sse2`` / ``avx2``: read by the library when it loads; caps the
   instruction set its x86 paths use (default: the widest the CPU has, up to AVX-512BW; tests
   use it to cover the narrower paths);
-* ``LMCACHE_USE_NATIVE=0`` (read by :mod:`.copy_ops`): always use the torch fallback.
+* ``LMCACHE_USE_NATIVE=0`` (read by :mod:`.copy_ops` at import): always use the torch fallback.
 """
 
 from __future__ import annotations
