@@ -59,7 +59,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolReservatio
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkSpan
-from lmcache.v1.transfer import TransferContext, TransferPath, release
+from lmcache.v1.transfer import TransferContext, TransferPath, equal_runs, release
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +100,7 @@ class LayerKeys(Sequence[list[LayerCacheEngineKey]]):
         if num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {num_layers}")
         self._chunks = list(chunk_keys)
-        cached = _rows.get  # the rows of recently seen chunks: no call per chunk
-        self._rows = [
-            row if (row := cached(k)) is not None and len(row) == num_layers else _row(k, num_layers) for k in self._chunks
-        ]
+        self._rows = [_row(k, num_layers) for k in self._chunks]
         self._layers: list[list[LayerCacheEngineKey] | None] = [None] * num_layers
 
     def select(self, chunks: Sequence[int]) -> LayerKeys:
@@ -459,23 +456,19 @@ class LayerwiseTransfer(TransferPath):
         sm = self.ctx.storage_manager
         dtype, fmt = self.ctx.metadata.kv_dtype, connector.fmt
         shapes = _shapes(connector, [spans[j] for j in todo])
-        i = 0
-        while i < len(shapes):
-            shape = shapes[i]
-            chunk_bytes = num_layers * pool_bytes(math.prod(shape) * dtype.itemsize)
-            end, stop = i + 1, min(len(shapes), i + max(1, sm.max_reservation_bytes // chunk_bytes))
-            while end < stop and shapes[end] == shape:
-                end += 1
-            res = sm.reserve(shape, dtype, fmt, num_layers * (end - i)) if end - i > 1 else None
-            if res is not None:
-                state.add(_Reserved(res, end - i, num_layers))
-                i = end
-                continue
-            for n_done in range(i, end):  # chunk by chunk
-                if not self._reserve_chunk(shape, dtype, fmt, state):
-                    self.ctx.pool_full(len(todo) - n_done)
-                    return todo[:n_done]
-            i = end
+        for start, stop in equal_runs(shapes):
+            shape = shapes[start]
+            per = max(1, sm.max_reservation_bytes // (num_layers * pool_bytes(math.prod(shape) * dtype.itemsize)))
+            for i in range(start, stop, per):  # as many chunks per reservation as a slab holds
+                end = min(stop, i + per)
+                res = sm.reserve(shape, dtype, fmt, num_layers * (end - i)) if end - i > 1 else None
+                if res is not None:
+                    state.add(_Reserved(res, end - i, num_layers))
+                    continue
+                for n_done in range(i, end):  # chunk by chunk
+                    if not self._reserve_chunk(shape, dtype, fmt, state):
+                        self.ctx.pool_full(len(todo) - n_done)
+                        return todo[:n_done]
         return todo
 
     def _reserve_chunk(self, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat, state: _StoreState) -> bool:

@@ -170,6 +170,18 @@ def release(objs: Sequence[MemoryObj | None]) -> None:
             obj.ref_count_down()
 
 
+def equal_runs(values: Sequence[object]) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each run of equal consecutive ``values`` (a request's chunks of
+    one length or shape are allocated together)."""
+    i = 0
+    while i < len(values):
+        j = i + 1
+        while j < len(values) and values[j] == values[i]:
+            j += 1
+        yield i, j
+        i = j
+
+
 class TransferPath(ABC):
     """One way of moving KV for whole requests (see the module docstring).
 
@@ -275,18 +287,13 @@ class BulkTransfer(TransferPath):
         ctx = self.ctx
         dtype, fmt = ctx.metadata.kv_dtype, connector.fmt
         objs: list[MemoryObj] = []
-        i = 0
-        while i < len(spans):
-            n = spans[i].end - spans[i].start
-            j = i + 1
-            while j < len(spans) and spans[j].end - spans[j].start == n:
-                j += 1
-            got = ctx.storage_manager.allocate_many(tuple(connector.get_shape(n)), dtype, fmt, j - i)
+        lengths = [s.end - s.start for s in spans]
+        for i, j in equal_runs(lengths):
+            got = ctx.storage_manager.allocate_many(tuple(connector.get_shape(lengths[i])), dtype, fmt, j - i)
             objs += got
             if len(got) < j - i:
                 ctx.pool_full(len(spans) - len(objs))
                 break
-            i = j
         return objs
 
     def retrieve(self, req: TransferRequest) -> torch.Tensor:

@@ -109,13 +109,13 @@ def _slots_on(slot_mapping: torch.Tensor, device: torch.device) -> torch.Tensor:
     return slot_mapping
 
 
-def _kernel_args(
+def _kernel_fields(
     direction: int, first: torch.Tensor, geom: PagedGeometry, slots: torch.Tensor, *,
     num_layers: int, num_chunks: int, num_threads: int, flags: int, **pointers: int,
-) -> _Args:
-    """The argument block of one copy: geometry and sizes from ``geom``/``first``, plus
-    the given array addresses (``comps=...``, ``error_info=...``)."""
-    return _Args(
+) -> dict[str, int]:
+    """The fields of one copy's argument block (``_Args``): geometry and sizes from
+    ``geom``/``first``, plus the given array addresses (``comps=...``, ``error_info=...``)."""
+    return dict(
         direction=direction,
         elem_size=first.element_size(),
         num_layers=num_layers,
@@ -131,6 +131,15 @@ def _kernel_args(
         slots=slots.data_ptr(),
         **pointers,
     )
+
+
+def _dense_chunk_info(starts: Sequence[int], counts: Sequence[int], num_layers: int, hidden: int) -> list[int]:
+    """``(start, count, component / layer / token element strides)`` per chunk whose memory
+    is a contiguous ``[num_comps, num_layers, count, hidden]`` buffer."""
+    info: list[int] = []
+    for start, count in zip(starts, counts):
+        info += (start, count, num_layers * count * hidden, count * hidden, hidden)
+    return info
 
 
 def _byte_extent(t: torch.Tensor) -> tuple[int, int]:
@@ -240,9 +249,7 @@ class NativeKernels:
             raise ValueError("kv_layers: paged_copy_at needs CPU layer tensors")
         num_layers, hidden = len(layers), geom.hidden
         row = len(geom.components) * num_layers
-        chunk_info: list[int] = []
-        for start, count in zip(starts, counts):
-            chunk_info += (start, count, num_layers * count * hidden, count * hidden, hidden)
+        chunk_info = _dense_chunk_info(starts, counts, num_layers, hidden)
         es = layers[0].element_size()
         extents = [(p, p + row * n * hidden * es) for p, n in zip(mem_ptrs, counts)]
         self._run(direction, layers, geom, slot_mapping, chunk_info, list(mem_ptrs), extents)
@@ -312,10 +319,10 @@ class NativeKernels:
         comps = [v for c in geom.components for v in c.as_tuple()]
         error_info = _i64_array([0, 0])
         arrays: dict[str, ctypes.Array] = {"error_info": error_info, "layer_blocks": _i64_array(blocks)}
-        args = _kernel_args(
+        args = _Args(**_kernel_fields(
             direction, first, geom, slots, num_layers=len(layers), num_chunks=len(mem_ptrs),
             num_threads=self.num_threads, flags=self.nt_mode, error_info=ctypes.addressof(error_info),
-        )
+        ))
         layer_ptrs = [t.data_ptr() for t in layers]
         if first.device.type == "cuda":
             self._launch_cuda(args, first, comps, layer_ptrs, chunk_info, mem_ptrs, geom, blocks)
@@ -430,11 +437,10 @@ class LayerCopyPlan:
             raise ValueError(f"kv_layers: a layer plan needs CPU tensors, got {first.device}")
         slots = _slots_on(slot_mapping, first.device)
         hidden, num_comps, num_slots = geom.hidden, len(geom.components), slots.shape[0]
-        chunk_info: list[int] = []
         for k, (start, count) in enumerate(zip(starts, counts)):
             if count < 0 or start < 0 or start + count > num_slots:
                 raise ValueError(f"chunk {k}: tokens [{start}, {start + count}) outside the slot mapping ({num_slots} entries)")
-            chunk_info += (start, count, count * hidden, count * hidden, hidden)
+        chunk_info = _dense_chunk_info(starts, counts, 1, hidden)
         row_bytes = num_comps * hidden * first.element_size()
         self.mem_bytes = [count * row_bytes for count in counts]
         """Bytes of each chunk's memory tensor (what :meth:`run` may touch from its pointer)."""
@@ -460,16 +466,13 @@ class LayerCopyPlan:
         buf.extend(chunk_info)
         buf.frombytes(bytes(8 * max(1, self._num_chunks)))  # the memory pointers, zeroed
         base = buf.buffer_info()[0]
-        fields = {
-            "direction": direction, "elem_size": first.element_size(), "num_layers": 1,
-            "num_comps": num_comps, "num_chunks": self._num_chunks, "num_blocks": geom.num_blocks,
-            "block_size": geom.block_size, "num_heads": geom.num_heads, "head_size": geom.head_size,
-            "num_slots": num_slots, "num_threads": kernels.num_threads, "flags": kernels.nt_mode,
-            "comps": base + 8 * self._comps_at, "layer_ptrs": base + 8 * self._layer_at,
-            "slots": slots.data_ptr(), "chunk_info": base + 8 * (self._error_at + 2),
-            "mem_ptrs": base + 8 * self._mem_at, "error_info": base + 8 * self._error_at,
-            "layer_blocks": base + 8 * (self._layer_at + 1),
-        }
+        fields = _kernel_fields(
+            direction, first, geom, slots, num_layers=1, num_chunks=self._num_chunks,
+            num_threads=kernels.num_threads, flags=kernels.nt_mode,
+            comps=base + 8 * self._comps_at, layer_ptrs=base + 8 * self._layer_at,
+            layer_blocks=base + 8 * (self._layer_at + 1), error_info=base + 8 * self._error_at,
+            chunk_info=base + 8 * (self._error_at + 2), mem_ptrs=base + 8 * self._mem_at,
+        )
         for name, value in fields.items():
             buf[_ARG_INDEX[name]] = value
         self._geom = geom

@@ -141,17 +141,14 @@ class ResidentIndex(Generic[K, V]):
         """One sequence's entries (``keys`` head first), visited tail first: a present key is
         touched; an absent one with a value is indexed after ``take(value)`` (the caller's
         hook for taking its reference). Returns the inserted keys, tail first."""
-        slots, on_hit, on_insert = self._slots, self.policy.on_hit, self.policy.on_insert
+        slots, on_hit = self._slots, self.policy.on_hit
         inserted: list[K] = []
         for key, value in zip(reversed(keys), reversed(values)):
             if key in slots:
                 on_hit(key)
             elif value is not None:
                 take(value)
-                size = size_of(value)
-                slots[key] = _Slot(value, size, 0)  # _add, inlined: a layer's keys in one loop
-                self.used += size
-                on_insert(key)
+                self._add(key, value, size_of(value), 0)
                 inserted.append(key)
         return inserted
 
