@@ -1177,19 +1177,32 @@ struct FreeDeleter {
   void operator()(u8* p) const { std::free(p); }
 };
 
-#ifndef LMC_BB_PF_A
-#define LMC_BB_PF_A 50  // percent of the next block's prefetch issued during phase A
-#endif
 #ifndef LMC_BB_SKIP_A
 #define LMC_BB_SKIP_A 0  // timing only: no phase A
 #endif
 #ifndef LMC_BB_SKIP_B
 #define LMC_BB_SKIP_B 0  // timing only: no phase B
 #endif
+#ifndef LMC_BB_PF_MODE
+#define LMC_BB_PF_MODE 0  // next block's source: 0 every line, 1 none, 2 (gather) the head of each 4 KiB
+#endif
+#ifndef LMC_BB_NO_TRANSPOSE
+#define LMC_BB_NO_TRANSPOSE 0  // timing only: K pages copied as rows
+#endif
+#ifndef LMC_BB_FINE
+#define LMC_BB_FINE 0  // block 16: phase B slices after every K group instead of every head
+#endif
+#ifndef LMC_BB_SERIAL
+#define LMC_BB_SERIAL 0  // 1: no pipelining (each block's phase B right after its phase A)
+#endif
+#ifndef LMC_BB_QUAD
+#define LMC_BB_QUAD 0  // block-16 gather: phase A reads the region as four interleaved streams
+#endif
 #ifndef LMC_BB_PAD
 #define LMC_BB_PAD 64  // bytes between the gather buffer's rows (L1 set spread)
 #endif
 
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
 // Per-thread buffer of a whole-block copy (kept between calls: no page faults per call).
 u8* block_buffer(int64_t bytes) {
   thread_local std::unique_ptr<u8, FreeDeleter> buf;
@@ -1206,130 +1219,191 @@ int64_t block_buffer_bytes(const LmcCopyArgs& a) {
   return 2 * a.block_size * (row + LMC_BB_PAD);
 }
 
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
-// Four row streams (rows of `row_bytes`, a multiple of 512), 512 bytes of each in turn,
-// non-temporal; destinations 64-byte aligned.
-__attribute__((target("avx512f,avx512bw"))) void stream_rows4(u8* const d[4], int64_t ds, const u8* const s[4],
-                                                              int64_t ss, int64_t rows, int64_t row_bytes,
-                                                              Prefetcher& pf) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t off = 0; off < row_bytes; off += 512) {
+// Four non-temporal streams of `rows` rows of `row_bytes` (a multiple of 512) each, written
+// 512 bytes of each stream in turn; a few slices at a time (phase B of a block, spread over
+// the next block's phase A). Sources and destinations 64-byte aligned.
+struct Stream4 {
+  u8* d[4] = {};
+  const u8* s[4] = {};
+  int64_t ds = 0, ss = 0, per_row = 1, next = 0, total = 0;  // slices
+
+  void set(u8* const dd[4], int64_t dstride, const u8* const sp[4], int64_t sstride, int64_t rows,
+           int64_t row_bytes) {
+    for (int k = 0; k < 4; ++k) d[k] = dd[k], s[k] = sp[k];
+    ds = dstride, ss = sstride, per_row = row_bytes / 512, next = 0, total = rows * per_row;
+  }
+  bool busy() const { return next < total; }
+  __attribute__((target("avx512f,avx512bw"))) void run(int64_t n, Prefetcher& pf) {
+    for (const int64_t stop = std::min(total, next + n); next < stop; ++next) {
       pf.step();
+      const int64_t r = next / per_row, off = (next % per_row) * 512;
       for (int k = 0; k < 4; ++k) {
         u8* dd = d[k] + r * ds + off;
         const u8* sp = s[k] + r * ss + off;
-        for (int i = 0; i < 512; i += 64) _mm512_stream_si512(reinterpret_cast<__m512i*>(dd + i), _mm512_load_si512(sp + i));
+        for (int i = 0; i < 512; i += 64)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(dd + i), _mm512_load_si512(sp + i));
       }
     }
+  }
+};
+
+// The pieces of a whole-block run (run.slot % block_size == 0, run.len == block_size).
+struct BlockRun {
+  u8* region;  // the block's page pairs (region_bytes)
+  u8* mk;      // the run's first K / V memory row
+  u8* mv;
+  int64_t mr;  // bytes between memory rows
+};
+
+// Whether `run` of item `it` goes through the block buffer; fills `br` if so.
+bool block_run(const Job& job, const Item& it, const Run& run, BlockRun& br) {
+  const LmcCopyArgs& a = *job.a;
+  const int64_t es = 2, bs = a.block_size;
+  if (run.len != bs || run.slot % bs != 0) return false;
+  br.region = it.layer_base + (job.region_off + (run.slot / bs) * job.comps[job.kcomp].block_stride) * es;
+  br.mk = it.mem_layer + run.t * it.mem_row + job.kcomp * it.mem_comp;
+  br.mv = it.mem_layer + run.t * it.mem_row + job.vcomp * it.mem_comp;
+  br.mr = it.mem_row;
+  if (a.direction == LMC_GATHER)
+    return (reinterpret_cast<uintptr_t>(br.mk) | reinterpret_cast<uintptr_t>(br.mv) | static_cast<uintptr_t>(br.mr)) %
+               64 == 0;
+  return reinterpret_cast<uintptr_t>(br.region) % 64 == 0;
 }
 
-// A whole-block run (run.slot % block_size == 0, run.len == block_size) through the buffer.
-// `next` (may be null) is the following whole-block run, whose source is prefetched meanwhile.
-// Returns false (nothing copied) when the destination is not aligned for it.
-bool block_copy(const Ctx& ctx, const Job& job, const Item& it, const Run& run, const Item* nit, const Run* nrun,
-                u8* buf, Prefetcher& pf) {
+// Aim the prefetcher at the source of whole-block run `br` (null: nothing), spread over `steps`.
+void aim_block(Prefetcher& pf, const Job& job, const BlockRun* br, int64_t steps) {
+  const LmcCopyArgs& a = *job.a;
+  const int64_t bs = a.block_size, row = a.num_heads * a.head_size * 2, region_bytes = 2 * bs * row;
+  if (br == nullptr || LMC_BB_PF_MODE == 1)
+    pf.reset(nullptr, 0, 0, 0, 1);
+  else if (LMC_BB_PF_MODE == 2 && a.direction == LMC_GATHER)
+    pf.reset(br->region, region_bytes / 4096, 256, 4096, steps);
+  else if (a.direction == LMC_GATHER)
+    pf.reset(br->region, 1, region_bytes, region_bytes, steps);
+  else if (br->mr == row && std::abs(br->mv - br->mk) >= bs * row)  // K rows, then V rows: two ranges
+    pf.reset(std::min(br->mk, br->mv), 2, bs * row, std::abs(br->mv - br->mk), steps);
+  else
+    pf.reset(std::min(br->mk, br->mv), bs, row + std::abs(br->mv - br->mk), br->mr, steps);
+}
+
+// Phase A of whole-block run `br` into `buf`; phase B of the previous block (`out`, may be
+// idle) is spread over it. Gather: the page pairs are read in order, K transposed into
+// row-major buffer rows, V rows copied; `out` is then set to write the buffer's rows as
+// four streams (K and V, two halves each). Scatter: the memory rows are read head by head
+// into an image of the page pairs; `out` then writes the image as one stream in four parts.
+__attribute__((target("avx512f,avx512bw"))) void block_phase_a(const Ctx& ctx, const Job& job, const Item& it,
+                                                               const BlockRun& br, u8* buf, Stream4& out,
+                                                               Prefetcher& pf) {
   const LmcCopyArgs& a = *job.a;
   const int64_t es = 2, bs = a.block_size, hd = a.head_size, heads = a.num_heads;
-  const int64_t hb = hd * es, row = heads * hb, page = bs * hb, region_bytes = heads * 2 * page;
-  const int64_t bstride = job.comps[job.kcomp].block_stride * es;
-  u8* const region = it.layer_base + job.region_off * es + (run.slot / bs) * bstride;
-  u8* const mk = it.mem_layer + run.t * it.mem_row + job.kcomp * it.mem_comp;
-  u8* const mv = it.mem_layer + run.t * it.mem_row + job.vcomp * it.mem_comp;
-  const int64_t mr = it.mem_row;
-  const bool gather = a.direction == LMC_GATHER;
-  if (gather ? ((reinterpret_cast<uintptr_t>(mk) | reinterpret_cast<uintptr_t>(mv) | static_cast<uintptr_t>(mr)) % 64 != 0)
-             : reinterpret_cast<uintptr_t>(region) % 32 != 0)
-    return false;
+  const int64_t hb = hd * es, row = heads * hb, page = bs * hb, region_bytes = heads * 2 * page, mr = br.mr;
 #ifdef LMC_BOUNDS_CHECK
-  LMC_CHECK(ctx, it.pspan, region, region_bytes);
+  LMC_CHECK(ctx, it.pspan, br.region, region_bytes);
   for (int64_t t = 0; t < bs; ++t) {
-    LMC_CHECK(ctx, it.mspan, mk + t * mr, row);
-    LMC_CHECK(ctx, it.mspan, mv + t * mr, row);
+    LMC_CHECK(ctx, it.mspan, br.mk + t * mr, row);
+    LMC_CHECK(ctx, it.mspan, br.mv + t * mr, row);
   }
 #else
-  (void)ctx;
+  (void)ctx, (void)it;
 #endif
-  // the next run's source: its block region (gather) or its K and V memory rows (scatter)
-  const u8* nsrc = nullptr;
-  int64_t nrows = 0, nrow_bytes = 0, nstride = 0;
-  if (nrun != nullptr) {
-    if (gather) {
-      nsrc = nit->layer_base + job.region_off * es + (nrun->slot / bs) * bstride;
-      nrows = 1, nrow_bytes = region_bytes, nstride = region_bytes;
-    } else if (nit->mem_row == row && nit->mem_comp >= bs * row) {  // K rows, then V rows: two ranges
-      nsrc = nit->mem_layer + nrun->t * nit->mem_row + std::min(job.kcomp, job.vcomp) * nit->mem_comp;
-      nrows = 2, nrow_bytes = bs * row, nstride = nit->mem_comp;
-    } else {
-      nsrc = nit->mem_layer + nrun->t * nit->mem_row;
-      nrows = bs, nrow_bytes = std::max(nit->mem_comp, int64_t{0}) + row, nstride = nit->mem_row;
-    }
-  }
-  // phase A gets LMC_BB_PF_A percent of the next source's lines (whole rows of it), phase B the rest
-  const int64_t rows_a = nrows == 1 ? 0 : nrows * LMC_BB_PF_A / 100;
-  const int64_t bytes_a = nrows == 1 ? nrow_bytes * LMC_BB_PF_A / 100 / 64 * 64 : 0;
-  if (gather) {
+  const int64_t share = (out.total - out.next + heads - 1) / heads;  // phase B slices per head
+  if (a.direction == LMC_GATHER) {
     const int64_t rs = row + LMC_BB_PAD;
     u8* const bk = buf;
     u8* const bv = buf + bs * rs;
-    const int64_t ksteps = bs == 16 ? (hd / 32) * 8 : (hd / 32) * (bs / 8) * 4;
-    const int64_t steps_a = heads * (ksteps + bs);
-    if (nrows == 1) pf.reset(nsrc, 1, bytes_a, bytes_a, steps_a);
-    else pf.reset(nsrc, rows_a, nrow_bytes, nstride, steps_a);
-    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A; ++h) {
-      const u8* kp = region + (2 * h + job.k_page) * page;
-      const u8* vp = region + (2 * h + job.v_page) * page;
-      if (bs == 16)
+    if (LMC_BB_QUAD && bs == 16 && heads % 4 == 0 && hd == 128) {
+      // four read streams: quarter q holds heads [q*heads/4, (q+1)*heads/4); 1 KiB of each in turn
+      const int64_t hq = heads / 4, steps = hq * 8;
+      const int64_t per = (out.total - out.next + steps - 1) / steps;
+      for (int64_t st = 0; st < steps; ++st) {
+        for (int64_t q = 0; q < 4; ++q) {
+          const int64_t h = q * hq + st / 8, p8 = st % 8;
+          const u8* kp = br.region + (2 * h + job.k_page) * page;
+          const u8* vp = br.region + (2 * h + job.v_page) * page;
+          if (p8 < 4)
+            kpage16_gather_avx512<false>(bk + h * hb + p8 * 64, rs, kp + p8 * 1024, 32, pf);
+          else
+            copy_rows_avx2<false>(bv + h * hb + (p8 - 4) * 4 * rs, rs, vp + (p8 - 4) * 4 * hb, hb, 4, hb, &pf);
+        }
+        out.run(per, pf);
+      }
+    }
+    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A && !(LMC_BB_QUAD && bs == 16 && heads % 4 == 0 && hd == 128); ++h) {
+      const u8* kp = br.region + (2 * h + job.k_page) * page;
+      const u8* vp = br.region + (2 * h + job.v_page) * page;
+      if (LMC_BB_NO_TRANSPOSE)
+        copy_rows_avx2<false>(bk + h * hb, rs, kp, hb, bs, hb, &pf);
+      else if (bs == 16 && LMC_BB_FINE) {
+        for (int64_t g = 0; g < hd / 32; ++g) {
+          kpage16_gather_avx512<false>(bk + h * hb + g * 64, rs, kp + g * 1024, 32, pf);
+          out.run((share + hd / 32 - 1) / (hd / 32), pf);
+        }
+      } else if (bs == 16)
         kpage16_gather_avx512<false>(bk + h * hb, rs, kp, hd, pf);
       else
         transpose_b16_avx512<false>(bk + h * hb, rs, kp, bs * es, hd, bs, pf);
+      out.run(share, pf);
       copy_rows_avx2<false>(bv + h * hb, rs, vp, hb, bs, hb, &pf);
     }
-    pf.drain();
+    out.run(out.total, pf);
     const int64_t half = bs / 2;
-    u8* const d[4] = {mk, mk + half * mr, mv, mv + half * mr};
+    u8* const d[4] = {br.mk, br.mk + half * mr, br.mv, br.mv + half * mr};
     const u8* const sp[4] = {bk, bk + half * rs, bv, bv + half * rs};
-    const int64_t steps_b = half * (row / 512);
-    if (nrows == 1) pf.reset(nsrc + bytes_a, 1, nrow_bytes - bytes_a, nrow_bytes - bytes_a, steps_b);
-    else pf.reset(nsrc + rows_a * nstride, nrows - rows_a, nrow_bytes, nstride, steps_b);
-    if (!LMC_BB_SKIP_B) stream_rows4(d, mr, sp, rs, half, row, pf);
-    pf.drain();
+    out.set(d, mr, sp, rs, half, row);
   } else {
-    const int64_t ksteps = bs == 16 ? (hd / 32) * 8 : (bs / 32) * (hd / 8) * 4;
-    const int64_t steps_a = heads * (ksteps + bs);
-    if (nrows == 1) pf.reset(nsrc, 1, bytes_a, bytes_a, steps_a);
-    else pf.reset(nsrc, rows_a, nrow_bytes, nstride, steps_a);
     for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A; ++h) {
       u8* kp = buf + (2 * h + job.k_page) * page;
       u8* vp = buf + (2 * h + job.v_page) * page;
-      if (bs == 16)
-        kpage16_scatter_avx512<false>(kp, mk + h * hb, mr, hd, pf);
+      if (LMC_BB_NO_TRANSPOSE)
+        copy_rows_avx2<false>(kp, hb, br.mk + h * hb, mr, bs, hb, &pf);
+      else if (bs == 16 && LMC_BB_FINE) {
+        for (int64_t g = 0; g < hd / 32; ++g) {
+          kpage16_scatter_avx512<false>(kp + g * 1024, br.mk + h * hb + g * 64, mr, 32, pf);
+          out.run((share + hd / 32 - 1) / (hd / 32), pf);
+        }
+      } else if (bs == 16)
+        kpage16_scatter_avx512<false>(kp, br.mk + h * hb, mr, hd, pf);
       else
-        transpose_rows_first_b16_avx512<false>(kp, bs * es, mk + h * hb, mr, bs, hd, pf);
-      copy_rows_avx2<false>(vp, hb, mv + h * hb, mr, bs, hb, &pf);
+        transpose_rows_first_b16_avx512<false>(kp, bs * es, br.mk + h * hb, mr, bs, hd, pf);
+      out.run(share, pf);
+      copy_rows_avx2<false>(vp, hb, br.mv + h * hb, mr, bs, hb, &pf);
     }
-    pf.drain();
-    const int64_t steps_b = std::max<int64_t>(1, region_bytes / 2048);
-    if (nrows == 1) pf.reset(nsrc + bytes_a, 1, nrow_bytes - bytes_a, nrow_bytes - bytes_a, steps_b);
-    else pf.reset(nsrc + rows_a * nstride, nrows - rows_a, nrow_bytes, nstride, steps_b);
-    if (!LMC_BB_SKIP_B) stream_copy4_avx2(region, buf, region_bytes, &pf);
-    pf.drain();
+    out.run(out.total, pf);
+    const int64_t q = region_bytes / 4;
+    u8* const d[4] = {br.region, br.region + q, br.region + 2 * q, br.region + 3 * q};
+    const u8* const sp[4] = {buf, buf + q, buf + 2 * q, buf + 3 * q};
+    out.set(d, 0, sp, 0, 1, q);
   }
-  return true;
 }
-#endif
 
-// work() for a job in block mode: whole-block runs through block_copy, other runs piece by
-// piece (copy_piece, prefetching the run's next piece).
+// pf.step() calls of one block_phase_a (with a full phase B spread over it).
+int64_t block_steps(const Job& job) {
+  const LmcCopyArgs& a = *job.a;
+  const int64_t bs = a.block_size, hd = a.head_size, heads = a.num_heads;
+  int64_t k;
+  if (a.direction == LMC_GATHER)
+    k = bs == 16 ? (hd / 32) * 8 : (hd / 32) * (bs / 8) * 4;
+  else
+    k = bs == 16 ? (hd / 32) * 8 : (bs / 32) * (hd / 8) * 4;
+  const int64_t slices = 2 * bs * heads * hd * 2 / 2048;
+  return heads * (k + bs) + slices;
+}
+
+// work() for a job in block mode. Whole-block runs are pipelined through two buffers:
+// phase A of a block runs with phase B of the previous one spread over it, while the next
+// block's source is prefetched. Other runs go piece by piece (copy_piece), after the
+// pending phase B.
 void work_blocks(Job& job, int64_t begin, int64_t end) {
   const LmcCopyArgs& a = *job.a;
   Ctx ctx;
   ctx.nt = job.nt;
   ctx.error = &job.error;
   Prefetcher pf;
-  u8* buf = block_buffer(block_buffer_bytes(a));
+  const int64_t bb = block_buffer_bytes(a);
+  u8* const bufs = block_buffer(2 * bb);
   std::unique_ptr<u8, FreeDeleter> scratch;
   Span sspan;
-  if (buf == nullptr) {
+  if (bufs == nullptr) {
     job.error.store(LMC_ERR_NOMEM);
     return;
   }
@@ -1341,9 +1415,7 @@ void work_blocks(Job& job, int64_t begin, int64_t end) {
     }
     sspan = {scratch.get(), scratch.get() + job.scratch_bytes};
   }
-  const int64_t layers = a.num_layers, bs = a.block_size;
-  auto whole = [&](const Run& r) { return r.len == bs && r.slot % bs == 0; };
-  // (item, run) pairs in order; the next one is looked up for prefetching
+  const int64_t layers = a.num_layers, steps = block_steps(job);
   auto next_run = [&](int64_t item, int64_t ri, int64_t& nitem, int64_t& nri) {
     nitem = item, nri = ri + 1;
     while (nitem < end && nri >= job.run_begin[nitem / layers + 1]) {
@@ -1351,48 +1423,64 @@ void work_blocks(Job& job, int64_t begin, int64_t end) {
     }
     return nitem < end;
   };
-  int64_t item = begin, ri = begin < end ? job.run_begin[begin / layers] : 0;
-  if (begin < end && ri >= job.run_begin[begin / layers + 1]) {
-    int64_t ni, nr;
-    next_run(item, ri - 1, ni, nr);
-    item = ni, ri = nr;
-  }
+  int64_t item = begin, ri = job.run_begin[begin / layers];
+  if (ri >= job.run_begin[begin / layers + 1]) next_run(begin, ri - 1, item, ri);
   Item it = item < end ? make_item(a, item) : Item{};
+  Stream4 out;
+  int64_t which = 0;  // buffer of the next phase A
+  BlockRun br{}, nbr{};
+  bool is_block = item < end && block_run(job, it, job.runs[ri], br);
   while (item < end && job.error.load(std::memory_order_relaxed) == 0) {
     const Run& run = job.runs[ri];
     int64_t nitem, nri;
     const bool has_next = next_run(item, ri, nitem, nri);
-    Item nit = has_next ? (nitem == item ? it : make_item(a, nitem)) : Item{};
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
-    const bool nwhole = has_next && whole(job.runs[nri]);
-    if (!whole(run) || !block_copy(ctx, job, it, run, nwhole ? &nit : nullptr, nwhole ? &job.runs[nri] : nullptr, buf, pf))
-#endif
-    {
+    const Item nit = has_next ? (nitem == item ? it : make_item(a, nitem)) : Item{};
+    const bool next_block = has_next && block_run(job, nit, job.runs[nri], nbr);
+    if (is_block) {
+      aim_block(pf, job, next_block ? &nbr : nullptr, steps);
+      block_phase_a(ctx, job, it, br, bufs + which * bb, out, pf);
+      if (LMC_BB_SERIAL)
+        out.run(out.total, pf);  // phase B right after its own phase A, one buffer
+      else
+        which ^= 1;
+      pf.drain();
+    } else {
+      if (out.busy()) {
+        pf.reset(nullptr, 0, 0, 0, 1);
+        out.run(out.total, pf);
+      }
       const int64_t n = static_cast<int64_t>(job.pieces.size());
       for (int64_t p = 0; p < n; ++p) {
         const PieceRef& ref = job.pieces[p];
         const CompPlan& cp = job.comps[ref.comp];
-        const int64_t steps = piece_steps(a, cp, it, run.len);
+        const int64_t psteps = piece_steps(a, cp, it, run.len);
         if (p + 1 < n) {
           const PieceRef& nref = job.pieces[p + 1];
           const CompPlan& ncp = job.comps[nref.comp];
-          aim(pf, ctx.nt, a, ncp, it, locate(a, ncp, nref, it, run), run.len, steps);
+          aim(pf, ctx.nt, a, ncp, it, locate(a, ncp, nref, it, run), run.len, psteps);
+        } else if (next_block) {
+          aim_block(pf, job, &nbr, psteps);
         } else {
           pf.reset(nullptr, 0, 0, 0, 1);
         }
         copy_piece(ctx, a, cp, it, locate(a, cp, ref, it, run), run.len, pf, scratch.get(), sspan);
       }
     }
-    item = nitem, ri = nri;
+    item = nitem, ri = nri, br = nbr, is_block = next_block;
     if (has_next) it = nit;
   }
+  pf.reset(nullptr, 0, 0, 0, 1);
+  if (job.error.load(std::memory_order_relaxed) == 0) out.run(out.total, pf);
   if (ctx.nt) store_fence();
 }
+#endif
 
 // Items [begin, end) in order; item = chunk * num_layers + layer.
 void work(Job& job, int64_t begin, int64_t end) {
   if (begin >= end) return;
+#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
   if (job.block_mode) return work_blocks(job, begin, end);
+#endif
   const LmcCopyArgs& a = *job.a;
   Ctx ctx;
   ctx.nt = job.nt;
