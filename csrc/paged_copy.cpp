@@ -869,11 +869,6 @@ struct Job {
   std::vector<int64_t> run_begin;  // [num_chunks + 1] into runs
   bool nt = false;
   std::atomic<int> error{0};
-  // Whole-block two-phase copy (see block_copy); set by plan_block_buffer.
-  bool block_mode = false;
-  int64_t kcomp = 0, vcomp = 0;   // the transposed (K) and row (V) components
-  int64_t k_page = 0, v_page = 0; // page index of K / V inside a head's page pair (0 or 1)
-  int64_t region_off = 0;         // elements from a block's start to its first page
 };
 
 CompPlan plan_component(const int64_t* c, int64_t heads, int64_t head_size) {
@@ -929,45 +924,6 @@ void plan(Job& job) {
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
 }
 
-// Whole-block two-phase copy (vllm-cpu page pairs, 2-byte elements, AVX-512, non-temporal
-// calls): a whole-block run is copied through a per-thread buffer. Gather: the block's pages
-// are read in order into row-major K and V buffers (K transposed), then both are written as
-// whole memory rows; scatter: the run's memory rows are read into an image of the block's
-// pages, which is then written as one contiguous stream.
-bool block_buffer_enabled() {
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512) && defined(LMC_BLOCK_BUFFER)
-  return g_has_avx512;
-#else
-  return false;
-#endif
-}
-
-void plan_block_buffer(Job& job) {
-  const LmcCopyArgs& a = *job.a;
-  if (!job.nt || !block_buffer_enabled() || a.elem_size != 2 || a.num_comps != 2 || a.head_size % 32 != 0) return;
-  const int64_t bs = a.block_size, hd = a.head_size;
-  if (bs != 16 && (bs < 32 || bs % 32 != 0 || bs > 256)) return;
-  int64_t kc = -1, vc = -1;
-  for (int64_t c = 0; c < 2; ++c) {
-    const CompPlan& p = job.comps[c];
-    if (p.kind == Kind::kTransposed && p.dim_stride == bs) kc = c;
-    if (p.kind == Kind::kRows && p.token_stride == hd && p.dim_stride == 1) vc = c;
-  }
-  if (kc < 0 || vc < 0) return;
-  const CompPlan &k = job.comps[kc], &v = job.comps[vc];
-  const int64_t page = bs * hd;
-  // page pairs: K and V pages adjacent, heads one pair apart, the block's pairs inside its stride
-  if (k.block_stride != v.block_stride || k.head_stride != 2 * page || v.head_stride != 2 * page) return;
-  if (k.offset + page != v.offset && v.offset + page != k.offset) return;
-  const int64_t off = std::min(k.offset, v.offset);
-  if (off < 0 || k.block_stride < off + a.num_heads * 2 * page) return;
-  if (a.num_heads * hd * a.elem_size % 512 != 0) return;  // memory rows in 512-byte slices
-  job.block_mode = true;
-  job.kcomp = kc, job.vcomp = vc;
-  job.k_page = k.offset < v.offset ? 0 : 1, job.v_page = 1 - job.k_page;
-  job.region_off = off;
-}
-
 // Splits the chunks into runs and checks each run's block against the smallest layer (so every
 // layer holds it). Returns LMC_ERR_SLOT (error_info = {token index, slot}) before any copy.
 int build_runs(Job& job) {
@@ -992,10 +948,8 @@ int build_runs(Job& job) {
         return LMC_ERR_SLOT;
       }
       int64_t len = 1;
-      int64_t room = std::min(bs - slot % bs, job.max_run);  // tokens left in this block
-      if (job.block_mode && slot % bs == 0 && count - t >= bs && s[t + bs - 1] == slot + bs - 1) room = bs;
+      const int64_t room = std::min(bs - slot % bs, job.max_run);  // tokens left in this block
       while (t + len < count && len < room && s[t + len] == slot + len) ++len;
-      if (job.block_mode && len < room && len > job.max_run) len = job.max_run;  // (see plan())
       job.runs.push_back(Run{t, slot, len});
       t += len;
     }
@@ -1177,310 +1131,9 @@ struct FreeDeleter {
   void operator()(u8* p) const { std::free(p); }
 };
 
-#ifndef LMC_BB_SKIP_A
-#define LMC_BB_SKIP_A 0  // timing only: no phase A
-#endif
-#ifndef LMC_BB_SKIP_B
-#define LMC_BB_SKIP_B 0  // timing only: no phase B
-#endif
-#ifndef LMC_BB_PF_MODE
-#define LMC_BB_PF_MODE 0  // next block's source: 0 every line, 1 none, 2 (gather) the head of each 4 KiB
-#endif
-#ifndef LMC_BB_NO_TRANSPOSE
-#define LMC_BB_NO_TRANSPOSE 0  // timing only: K pages copied as rows
-#endif
-#ifndef LMC_BB_FINE
-#define LMC_BB_FINE 0  // block 16: phase B slices after every K group instead of every head
-#endif
-#ifndef LMC_BB_SERIAL
-#define LMC_BB_SERIAL 0  // 1: no pipelining (each block's phase B right after its phase A)
-#endif
-#ifndef LMC_BB_QUAD
-#define LMC_BB_QUAD 0  // block-16 gather: phase A reads the region as four interleaved streams
-#endif
-#ifndef LMC_BB_PAD
-#define LMC_BB_PAD 64  // bytes between the gather buffer's rows (L1 set spread)
-#endif
-
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
-// Per-thread buffer of a whole-block copy (kept between calls: no page faults per call).
-u8* block_buffer(int64_t bytes) {
-  thread_local std::unique_ptr<u8, FreeDeleter> buf;
-  thread_local int64_t cap = 0;
-  if (cap < bytes) {
-    buf.reset(static_cast<u8*>(std::aligned_alloc(64, static_cast<size_t>((bytes + 63) / 64 * 64))));
-    cap = buf != nullptr ? bytes : 0;
-  }
-  return buf.get();
-}
-
-int64_t block_buffer_bytes(const LmcCopyArgs& a) {
-  const int64_t row = a.num_heads * a.head_size * a.elem_size;
-  return 2 * a.block_size * (row + LMC_BB_PAD);
-}
-
-// Four non-temporal streams of `rows` rows of `row_bytes` (a multiple of 512) each, written
-// 512 bytes of each stream in turn; a few slices at a time (phase B of a block, spread over
-// the next block's phase A). Sources and destinations 64-byte aligned.
-struct Stream4 {
-  u8* d[4] = {};
-  const u8* s[4] = {};
-  int64_t ds = 0, ss = 0, per_row = 1, next = 0, total = 0;  // slices
-
-  void set(u8* const dd[4], int64_t dstride, const u8* const sp[4], int64_t sstride, int64_t rows,
-           int64_t row_bytes) {
-    for (int k = 0; k < 4; ++k) d[k] = dd[k], s[k] = sp[k];
-    ds = dstride, ss = sstride, per_row = row_bytes / 512, next = 0, total = rows * per_row;
-  }
-  bool busy() const { return next < total; }
-  __attribute__((target("avx512f,avx512bw"))) void run(int64_t n, Prefetcher& pf) {
-    for (const int64_t stop = std::min(total, next + n); next < stop; ++next) {
-      pf.step();
-      const int64_t r = next / per_row, off = (next % per_row) * 512;
-      for (int k = 0; k < 4; ++k) {
-        u8* dd = d[k] + r * ds + off;
-        const u8* sp = s[k] + r * ss + off;
-        for (int i = 0; i < 512; i += 64)
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(dd + i), _mm512_load_si512(sp + i));
-      }
-    }
-  }
-};
-
-// The pieces of a whole-block run (run.slot % block_size == 0, run.len == block_size).
-struct BlockRun {
-  u8* region;  // the block's page pairs (region_bytes)
-  u8* mk;      // the run's first K / V memory row
-  u8* mv;
-  int64_t mr;  // bytes between memory rows
-};
-
-// Whether `run` of item `it` goes through the block buffer; fills `br` if so.
-bool block_run(const Job& job, const Item& it, const Run& run, BlockRun& br) {
-  const LmcCopyArgs& a = *job.a;
-  const int64_t es = 2, bs = a.block_size;
-  if (run.len != bs || run.slot % bs != 0) return false;
-  br.region = it.layer_base + (job.region_off + (run.slot / bs) * job.comps[job.kcomp].block_stride) * es;
-  br.mk = it.mem_layer + run.t * it.mem_row + job.kcomp * it.mem_comp;
-  br.mv = it.mem_layer + run.t * it.mem_row + job.vcomp * it.mem_comp;
-  br.mr = it.mem_row;
-  if (a.direction == LMC_GATHER)
-    return (reinterpret_cast<uintptr_t>(br.mk) | reinterpret_cast<uintptr_t>(br.mv) | static_cast<uintptr_t>(br.mr)) %
-               64 == 0;
-  return reinterpret_cast<uintptr_t>(br.region) % 64 == 0;
-}
-
-// Aim the prefetcher at the source of whole-block run `br` (null: nothing), spread over `steps`.
-void aim_block(Prefetcher& pf, const Job& job, const BlockRun* br, int64_t steps) {
-  const LmcCopyArgs& a = *job.a;
-  const int64_t bs = a.block_size, row = a.num_heads * a.head_size * 2, region_bytes = 2 * bs * row;
-  if (br == nullptr || LMC_BB_PF_MODE == 1)
-    pf.reset(nullptr, 0, 0, 0, 1);
-  else if (LMC_BB_PF_MODE == 2 && a.direction == LMC_GATHER)
-    pf.reset(br->region, region_bytes / 4096, 256, 4096, steps);
-  else if (a.direction == LMC_GATHER)
-    pf.reset(br->region, 1, region_bytes, region_bytes, steps);
-  else if (br->mr == row && std::abs(br->mv - br->mk) >= bs * row)  // K rows, then V rows: two ranges
-    pf.reset(std::min(br->mk, br->mv), 2, bs * row, std::abs(br->mv - br->mk), steps);
-  else
-    pf.reset(std::min(br->mk, br->mv), bs, row + std::abs(br->mv - br->mk), br->mr, steps);
-}
-
-// Phase A of whole-block run `br` into `buf`; phase B of the previous block (`out`, may be
-// idle) is spread over it. Gather: the page pairs are read in order, K transposed into
-// row-major buffer rows, V rows copied; `out` is then set to write the buffer's rows as
-// four streams (K and V, two halves each). Scatter: the memory rows are read head by head
-// into an image of the page pairs; `out` then writes the image as one stream in four parts.
-__attribute__((target("avx512f,avx512bw"))) void block_phase_a(const Ctx& ctx, const Job& job, const Item& it,
-                                                               const BlockRun& br, u8* buf, Stream4& out,
-                                                               Prefetcher& pf) {
-  const LmcCopyArgs& a = *job.a;
-  const int64_t es = 2, bs = a.block_size, hd = a.head_size, heads = a.num_heads;
-  const int64_t hb = hd * es, row = heads * hb, page = bs * hb, region_bytes = heads * 2 * page, mr = br.mr;
-#ifdef LMC_BOUNDS_CHECK
-  LMC_CHECK(ctx, it.pspan, br.region, region_bytes);
-  for (int64_t t = 0; t < bs; ++t) {
-    LMC_CHECK(ctx, it.mspan, br.mk + t * mr, row);
-    LMC_CHECK(ctx, it.mspan, br.mv + t * mr, row);
-  }
-#else
-  (void)ctx, (void)it;
-#endif
-  const int64_t share = (out.total - out.next + heads - 1) / heads;  // phase B slices per head
-  if (a.direction == LMC_GATHER) {
-    const int64_t rs = row + LMC_BB_PAD;
-    u8* const bk = buf;
-    u8* const bv = buf + bs * rs;
-    if (LMC_BB_QUAD && bs == 16 && heads % 4 == 0 && hd == 128) {
-      // four read streams: quarter q holds heads [q*heads/4, (q+1)*heads/4); 1 KiB of each in turn
-      const int64_t hq = heads / 4, steps = hq * 8;
-      const int64_t per = (out.total - out.next + steps - 1) / steps;
-      for (int64_t st = 0; st < steps; ++st) {
-        for (int64_t q = 0; q < 4; ++q) {
-          const int64_t h = q * hq + st / 8, p8 = st % 8;
-          const u8* kp = br.region + (2 * h + job.k_page) * page;
-          const u8* vp = br.region + (2 * h + job.v_page) * page;
-          if (p8 < 4)
-            kpage16_gather_avx512<false>(bk + h * hb + p8 * 64, rs, kp + p8 * 1024, 32, pf);
-          else
-            copy_rows_avx2<false>(bv + h * hb + (p8 - 4) * 4 * rs, rs, vp + (p8 - 4) * 4 * hb, hb, 4, hb, &pf);
-        }
-        out.run(per, pf);
-      }
-    }
-    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A && !(LMC_BB_QUAD && bs == 16 && heads % 4 == 0 && hd == 128); ++h) {
-      const u8* kp = br.region + (2 * h + job.k_page) * page;
-      const u8* vp = br.region + (2 * h + job.v_page) * page;
-      if (LMC_BB_NO_TRANSPOSE)
-        copy_rows_avx2<false>(bk + h * hb, rs, kp, hb, bs, hb, &pf);
-      else if (bs == 16 && LMC_BB_FINE) {
-        for (int64_t g = 0; g < hd / 32; ++g) {
-          kpage16_gather_avx512<false>(bk + h * hb + g * 64, rs, kp + g * 1024, 32, pf);
-          out.run((share + hd / 32 - 1) / (hd / 32), pf);
-        }
-      } else if (bs == 16)
-        kpage16_gather_avx512<false>(bk + h * hb, rs, kp, hd, pf);
-      else
-        transpose_b16_avx512<false>(bk + h * hb, rs, kp, bs * es, hd, bs, pf);
-      out.run(share, pf);
-      copy_rows_avx2<false>(bv + h * hb, rs, vp, hb, bs, hb, &pf);
-    }
-    out.run(out.total, pf);
-    const int64_t half = bs / 2;
-    u8* const d[4] = {br.mk, br.mk + half * mr, br.mv, br.mv + half * mr};
-    const u8* const sp[4] = {bk, bk + half * rs, bv, bv + half * rs};
-    out.set(d, mr, sp, rs, half, row);
-  } else {
-    for (int64_t h = 0; h < heads && !LMC_BB_SKIP_A; ++h) {
-      u8* kp = buf + (2 * h + job.k_page) * page;
-      u8* vp = buf + (2 * h + job.v_page) * page;
-      if (LMC_BB_NO_TRANSPOSE)
-        copy_rows_avx2<false>(kp, hb, br.mk + h * hb, mr, bs, hb, &pf);
-      else if (bs == 16 && LMC_BB_FINE) {
-        for (int64_t g = 0; g < hd / 32; ++g) {
-          kpage16_scatter_avx512<false>(kp + g * 1024, br.mk + h * hb + g * 64, mr, 32, pf);
-          out.run((share + hd / 32 - 1) / (hd / 32), pf);
-        }
-      } else if (bs == 16)
-        kpage16_scatter_avx512<false>(kp, br.mk + h * hb, mr, hd, pf);
-      else
-        transpose_rows_first_b16_avx512<false>(kp, bs * es, br.mk + h * hb, mr, bs, hd, pf);
-      out.run(share, pf);
-      copy_rows_avx2<false>(vp, hb, br.mv + h * hb, mr, bs, hb, &pf);
-    }
-    out.run(out.total, pf);
-    const int64_t q = region_bytes / 4;
-    u8* const d[4] = {br.region, br.region + q, br.region + 2 * q, br.region + 3 * q};
-    const u8* const sp[4] = {buf, buf + q, buf + 2 * q, buf + 3 * q};
-    out.set(d, 0, sp, 0, 1, q);
-  }
-}
-
-// pf.step() calls of one block_phase_a (with a full phase B spread over it).
-int64_t block_steps(const Job& job) {
-  const LmcCopyArgs& a = *job.a;
-  const int64_t bs = a.block_size, hd = a.head_size, heads = a.num_heads;
-  int64_t k;
-  if (a.direction == LMC_GATHER)
-    k = bs == 16 ? (hd / 32) * 8 : (hd / 32) * (bs / 8) * 4;
-  else
-    k = bs == 16 ? (hd / 32) * 8 : (bs / 32) * (hd / 8) * 4;
-  const int64_t slices = 2 * bs * heads * hd * 2 / 2048;
-  return heads * (k + bs) + slices;
-}
-
-// work() for a job in block mode. Whole-block runs are pipelined through two buffers:
-// phase A of a block runs with phase B of the previous one spread over it, while the next
-// block's source is prefetched. Other runs go piece by piece (copy_piece), after the
-// pending phase B.
-void work_blocks(Job& job, int64_t begin, int64_t end) {
-  const LmcCopyArgs& a = *job.a;
-  Ctx ctx;
-  ctx.nt = job.nt;
-  ctx.error = &job.error;
-  Prefetcher pf;
-  const int64_t bb = block_buffer_bytes(a);
-  u8* const bufs = block_buffer(2 * bb);
-  std::unique_ptr<u8, FreeDeleter> scratch;
-  Span sspan;
-  if (bufs == nullptr) {
-    job.error.store(LMC_ERR_NOMEM);
-    return;
-  }
-  if (job.scratch_bytes > 0) {
-    scratch.reset(static_cast<u8*>(std::aligned_alloc(64, static_cast<size_t>(job.scratch_bytes))));
-    if (scratch == nullptr) {
-      job.error.store(LMC_ERR_NOMEM);
-      return;
-    }
-    sspan = {scratch.get(), scratch.get() + job.scratch_bytes};
-  }
-  const int64_t layers = a.num_layers, steps = block_steps(job);
-  auto next_run = [&](int64_t item, int64_t ri, int64_t& nitem, int64_t& nri) {
-    nitem = item, nri = ri + 1;
-    while (nitem < end && nri >= job.run_begin[nitem / layers + 1]) {
-      if (++nitem < end) nri = job.run_begin[nitem / layers];
-    }
-    return nitem < end;
-  };
-  int64_t item = begin, ri = job.run_begin[begin / layers];
-  if (ri >= job.run_begin[begin / layers + 1]) next_run(begin, ri - 1, item, ri);
-  Item it = item < end ? make_item(a, item) : Item{};
-  Stream4 out;
-  int64_t which = 0;  // buffer of the next phase A
-  BlockRun br{}, nbr{};
-  bool is_block = item < end && block_run(job, it, job.runs[ri], br);
-  while (item < end && job.error.load(std::memory_order_relaxed) == 0) {
-    const Run& run = job.runs[ri];
-    int64_t nitem, nri;
-    const bool has_next = next_run(item, ri, nitem, nri);
-    const Item nit = has_next ? (nitem == item ? it : make_item(a, nitem)) : Item{};
-    const bool next_block = has_next && block_run(job, nit, job.runs[nri], nbr);
-    if (is_block) {
-      aim_block(pf, job, next_block ? &nbr : nullptr, steps);
-      block_phase_a(ctx, job, it, br, bufs + which * bb, out, pf);
-      if (LMC_BB_SERIAL)
-        out.run(out.total, pf);  // phase B right after its own phase A, one buffer
-      else
-        which ^= 1;
-      pf.drain();
-    } else {
-      if (out.busy()) {
-        pf.reset(nullptr, 0, 0, 0, 1);
-        out.run(out.total, pf);
-      }
-      const int64_t n = static_cast<int64_t>(job.pieces.size());
-      for (int64_t p = 0; p < n; ++p) {
-        const PieceRef& ref = job.pieces[p];
-        const CompPlan& cp = job.comps[ref.comp];
-        const int64_t psteps = piece_steps(a, cp, it, run.len);
-        if (p + 1 < n) {
-          const PieceRef& nref = job.pieces[p + 1];
-          const CompPlan& ncp = job.comps[nref.comp];
-          aim(pf, ctx.nt, a, ncp, it, locate(a, ncp, nref, it, run), run.len, psteps);
-        } else if (next_block) {
-          aim_block(pf, job, &nbr, psteps);
-        } else {
-          pf.reset(nullptr, 0, 0, 0, 1);
-        }
-        copy_piece(ctx, a, cp, it, locate(a, cp, ref, it, run), run.len, pf, scratch.get(), sspan);
-      }
-    }
-    item = nitem, ri = nri, br = nbr, is_block = next_block;
-    if (has_next) it = nit;
-  }
-  pf.reset(nullptr, 0, 0, 0, 1);
-  if (job.error.load(std::memory_order_relaxed) == 0) out.run(out.total, pf);
-  if (ctx.nt) store_fence();
-}
-#endif
-
 // Items [begin, end) in order; item = chunk * num_layers + layer.
 void work(Job& job, int64_t begin, int64_t end) {
   if (begin >= end) return;
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
-  if (job.block_mode) return work_blocks(job, begin, end);
-#endif
   const LmcCopyArgs& a = *job.a;
   Ctx ctx;
   ctx.nt = job.nt;
@@ -1553,12 +1206,12 @@ int paged_copy(const LmcCopyArgs& a) {
   Job job;
   job.a = &a;
   plan(job);
+  if (int rc = build_runs(job); rc != LMC_OK) return rc;
+
   int64_t tokens = 0;
   for (int64_t k = 0; k < a.num_chunks; ++k) tokens += a.chunk_info[5 * k + 1];
   const int64_t bytes = tokens * a.num_layers * a.num_comps * a.num_heads * a.head_size * a.elem_size;
   job.nt = a.flags == LMC_FLAG_NT_ALWAYS || (a.flags == LMC_FLAG_NT_AUTO && bytes >= kNtAutoBytes);
-  plan_block_buffer(job);
-  if (int rc = build_runs(job); rc != LMC_OK) return rc;
 
   const int64_t items = a.num_chunks * a.num_layers;
   int64_t threads = std::min<int64_t>({std::max<int64_t>(1, a.num_threads), items,
