@@ -79,14 +79,6 @@ constexpr int64_t kDirectTransposeRows = LMC_DIRECT_TRANSPOSE_ROWS;  // scatter 
 #define LMC_SCATTER_RUN_TOKENS 32
 #endif
 constexpr int64_t kScatterRunTokens = LMC_SCATTER_RUN_TOKENS;  // runs of a transposing scatter (see plan())
-#ifndef LMC_HEAD_GROUP
-#define LMC_HEAD_GROUP 1
-#endif
-constexpr int64_t kHeadGroup = LMC_HEAD_GROUP;  // heads per head-wise piece of a gather (see plan())
-#ifndef LMC_HEAD_GROUP_BS128
-#define LMC_HEAD_GROUP_BS128 LMC_HEAD_GROUP
-#endif
-constexpr int64_t kHeadGroupLong = LMC_HEAD_GROUP_BS128;  // same, block sizes above 16
 
 // ----------------------------------------------------------------------------- bounds
 struct Span {
@@ -282,47 +274,6 @@ __attribute__((target("avx2"))) void copy_rows_avx2(u8* d, int64_t ds, const u8*
       else
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), v);
     }
-  }
-}
-#endif
-
-#ifdef LMC_X86
-// Head groups: rows of `heads` segments of row_bytes each; segment h of row r comes from
-// s + r * ss + h * sh and goes to d + r * ds + h * row_bytes (one contiguous destination span
-// per row, whatever the source's head stride).
-template <bool NT>
-__attribute__((target("avx2"))) void copy_row_groups_avx2(u8* d, int64_t ds, const u8* s, int64_t ss, int64_t sh,
-                                                           int64_t heads, int64_t rows, int64_t row_bytes,
-                                                           Prefetcher* pf) {
-  for (int64_t r = 0; r < rows; ++r, d += ds, s += ss) {
-    if (pf != nullptr) pf->step();
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < row_bytes; i += 32) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + h * sh + i));
-        if constexpr (NT)
-          _mm256_stream_si256(reinterpret_cast<__m256i*>(d + h * row_bytes + i), v);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + h * row_bytes + i), v);
-      }
-  }
-}
-
-// Inverse of copy_row_groups_avx2: row r's `heads` contiguous segments (s + r * ss) go to
-// d + r * ds + h * dh.
-template <bool NT>
-__attribute__((target("avx2"))) void scatter_row_groups_avx2(u8* d, int64_t ds, int64_t dh, const u8* s, int64_t ss,
-                                                              int64_t heads, int64_t rows, int64_t row_bytes,
-                                                              Prefetcher* pf) {
-  for (int64_t r = 0; r < rows; ++r, d += ds, s += ss) {
-    if (pf != nullptr) pf->step();
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < row_bytes; i += 32) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + h * row_bytes + i));
-        if constexpr (NT)
-          _mm256_stream_si256(reinterpret_cast<__m256i*>(d + h * dh + i), v);
-        else
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + h * dh + i), v);
-      }
   }
 }
 #endif
@@ -773,72 +724,6 @@ __attribute__((target("avx512f,avx512bw"))) void kpage16_scatter_avx512(u8* d, c
     for (int i = 0; i < 4; ++i) pf.step();
   }
 }
-
-// Head groups (gather): G adjacent heads of a run at once, so each memory row gets G x
-// head-size contiguous bytes per step instead of one head's strip.
-// Block-16 K pages of G heads (pages sh bytes apart, each [rows x 16]) -> 16 memory rows of
-// G * rows elements: all G pages transposed into one L1 buffer, then each row written whole.
-template <bool NT>
-__attribute__((target("avx512f,avx512bw"))) void kpage16_gather_group_avx512(u8* d, int64_t dr, const u8* s,
-                                                                             int64_t sh, int64_t heads, int64_t rows,
-                                                                             Prefetcher& pf) {
-  alignas(64) u8 buf[16 * 2048];  // heads * rows * 2 <= 2048
-  const int64_t groups = rows / 32, rb = rows * 2, RB = heads * rb;
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t g = 0; g < groups; ++g) {
-      tile32x16_b16_avx512<false>(buf + h * rb + g * 64, RB, s + h * sh + g * 1024, 32);
-#ifdef LMC_HG_STORE_STEPS
-      for (int i = 0; i < 4; ++i) pf.step();
-#else
-      for (int i = 0; i < 8; ++i) pf.step();
-#endif
-    }
-  for (int t = 0; t < 16; ++t) {
-#ifdef LMC_HG_STORE_STEPS
-    for (int64_t i = 0; i < heads * groups; ++i) pf.step();
-#endif
-    for (int64_t i = 0; i < RB; i += 64) store64<NT>(d + t * dr + i, _mm512_load_si512(buf + t * RB + i));
-  }
-}
-
-// K pages of G heads ([rows x cols] each, d-rows sr apart, pages sh apart; rows % 32 == 0,
-// cols % 8 == 0) -> cols memory rows of G * rows elements, 32x8 tiles straight to memory:
-// 8 tokens at a time across all G heads, so the G x rows x 2 bytes of each row go out together.
-template <bool NT>
-__attribute__((target("avx512f,avx512bw"))) void transpose_group_b16_avx512(u8* d, int64_t dr, const u8* s,
-                                                                            int64_t sr, int64_t sh, int64_t heads,
-                                                                            int64_t rows, int64_t cols,
-                                                                            Prefetcher& pf) {
-#ifdef LMC_HG_BUF
-  if (NT && heads * rows * 2 * cols <= 32768) {  // through an L1 buffer, head by head, rows written whole
-    alignas(64) u8 buf[32768];
-    const int64_t rb = rows * 2, RB = heads * rb;
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t c0 = 0; c0 < cols; c0 += 8)
-        for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-          tile32x8_b16_avx512<false>(buf + c0 * RB + h * rb + r0 * 2, RB, s + h * sh + r0 * sr + c0 * 2, sr);
-          pf.step();
-          pf.step();
-          pf.step();
-        }
-    for (int64_t t = 0; t < cols; ++t) {
-      pf.step();
-      pf.step();
-      for (int64_t i = 0; i < RB; i += 64) store64<NT>(d + t * dr + i, _mm512_load_si512(buf + t * RB + i));
-    }
-    return;
-  }
-#endif
-  for (int64_t c0 = 0; c0 < cols; c0 += 8)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t r0 = 0; r0 < rows; r0 += 32) {
-        tile32x8_b16_avx512<NT>(d + c0 * dr + (h * rows + r0) * 2, dr, s + h * sh + r0 * sr + c0 * 2, sr);
-        pf.step();
-        pf.step();
-        pf.step();
-        pf.step();
-      }
-}
 #pragma GCC diagnostic pop
 #endif
 
@@ -964,7 +849,6 @@ struct CompPlan {
 struct PieceRef {
   int64_t comp;
   int64_t head;  // -1: the whole token vector (CONTIG / GENERIC)
-  int64_t heads = 1;  // head-wise: heads head .. head + heads - 1 in one piece (head groups)
 };
 
 struct Run {
@@ -1010,26 +894,8 @@ void plan(Job& job) {
   }
   std::sort(headwise.begin(), headwise.end(),
             [&](int64_t x, int64_t y) { return job.comps[x].offset < job.comps[y].offset; });
-#ifndef LMC_HEAD_GROUP_SCATTER
-#define LMC_HEAD_GROUP_SCATTER 1
-#endif
-  int64_t group = a.direction == LMC_GATHER ? (a.block_size > 16 ? kHeadGroupLong : kHeadGroup) : LMC_HEAD_GROUP_SCATTER;
-  if (group < 1 || a.num_heads % group != 0) group = 1;
-  for (int64_t h = 0; h < a.num_heads && !headwise.empty(); h += group)
-    for (const int64_t c : headwise) {
-#if defined(LMC_HG_KONLY) || defined(LMC_HG_VONLY)
-#ifdef LMC_HG_KONLY
-      const bool grouped = job.comps[c].kind == Kind::kTransposed;
-#else
-      const bool grouped = job.comps[c].kind == Kind::kRows;
-#endif
-      if (!grouped) {
-        for (int64_t k = 0; k < group; ++k) job.pieces.push_back({c, h + k, 1});
-        continue;
-      }
-#endif
-      job.pieces.push_back({c, h, group});
-    }
+  for (int64_t h = 0; h < a.num_heads && !headwise.empty(); ++h)
+    for (const int64_t c : headwise) job.pieces.push_back({c, h});
   const int64_t run_bytes = a.block_size * a.num_comps * a.num_heads * a.head_size * a.elem_size;
   const int64_t piece_bytes = std::max<int64_t>(1, run_bytes / static_cast<int64_t>(job.pieces.size()));
   job.lookahead = std::clamp<int64_t>(kPrefetchAhead / piece_bytes, 1, 64);
@@ -1053,10 +919,6 @@ void plan(Job& job) {
   // split in the gather: 0.73 instead of 0.83).
   for (const CompPlan& p : job.comps)
     if (p.kind == Kind::kTransposed && a.direction == LMC_SCATTER) job.max_run = kScatterRunTokens;
-#ifdef LMC_GATHER_RUN_TOKENS
-  for (const CompPlan& p : job.comps)
-    if (p.kind == Kind::kTransposed && a.direction == LMC_GATHER) job.max_run = LMC_GATHER_RUN_TOKENS;
-#endif
   for (const CompPlan& p : job.comps)
     if (p.kind == Kind::kTransposed && a.direction == LMC_SCATTER && a.block_size > kDirectTransposeRows)
       job.scratch_bytes = (a.block_size * a.head_size * a.elem_size + 63) / 64 * 64;
@@ -1166,15 +1028,12 @@ inline Piece locate(const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref
 }
 
 // Copy steps of a piece (the prefetcher is spread over them).
-int64_t piece_steps(const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref, const Item& it, int64_t len) {
+int64_t piece_steps(const LmcCopyArgs& a, const CompPlan& p, const Item& it, int64_t len) {
   const int64_t es = a.elem_size, hd = a.head_size;
   switch (p.kind) {
     case Kind::kContig: return rows_steps(len, a.num_heads * hd * es, p.token_stride * es, it.mem_row);
-    case Kind::kRows:
-      if (ref.heads > 1) return std::max<int64_t>(1, len);
-      return rows_steps(len, hd * es, p.token_stride * es, it.mem_row);
+    case Kind::kRows: return rows_steps(len, hd * es, p.token_stride * es, it.mem_row);
     case Kind::kTransposed:
-      if (ref.heads > 1) return ref.heads * transpose_steps(es, hd, len);
       // (+len: the scratch copy's rows. A rows-first scatter has no scratch copy, but spreading
       // its prefetch as if it had, and draining the rest at the end, measured +0.01-0.02.)
       return transpose_steps(es, hd, len) + (a.direction == LMC_SCATTER && len > kDirectTransposeRows ? len : 0);
@@ -1191,28 +1050,9 @@ int64_t piece_steps(const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref
 // every 4 KiB of the next piece early, so its page walks and first misses are done before
 // the copy gets there (MLA gather at block 16, 32k tokens 0.83 -> 0.90; the sequential
 // source of a scatter gains nothing from it).
-void aim(Prefetcher& pf, bool nt, const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref, const Item& it,
-         const Piece& x, int64_t len, int64_t steps) {
+void aim(Prefetcher& pf, bool nt, const LmcCopyArgs& a, const CompPlan& p, const Item& it, const Piece& x,
+         int64_t len, int64_t steps) {
   const int64_t es = a.elem_size, hd = a.head_size;
-#ifdef LMC_HG_PF_SPAN
-  // head group, prefetch in page order: the K piece the first half of the group's span
-  // (page pairs of all its heads), the V piece the second half
-  if (ref.heads > 1 && a.direction == LMC_GATHER) {
-    const int64_t total = ref.heads * p.head_stride * es;
-    const int64_t half = total / 2 / 64 * 64;
-    if (p.kind == Kind::kTransposed)
-      pf.reset(x.page, 1, half, half, steps);
-    else
-      pf.reset(x.page - p.offset * es + half, 1, total - half, total - half, steps);
-    return;
-  }
-#endif
-  if (ref.heads > 1 && a.direction == LMC_GATHER) {  // head group: one span per head, in order
-    const int64_t span = p.kind == Kind::kTransposed ? (hd - 1) * p.dim_stride * es + len * es
-                                                     : (len - 1) * p.token_stride * es + hd * es;
-    pf.reset(x.page, ref.heads, span, p.head_stride * es, steps);
-    return;
-  }
   const int64_t width = p.kind == Kind::kContig ? a.num_heads * hd * es : hd * es;  // bytes per token
   const bool dense = p.kind == Kind::kContig && p.token_stride * es == width && it.mem_row == width;
   u8* const dst = a.direction == LMC_GATHER ? x.mem : x.page;
@@ -1242,88 +1082,11 @@ void aim_run_share(Prefetcher& pf, const Job& job, const Item& it, const Run& ru
            it.mem_row, steps);
 }
 
-// A gather piece of ref.heads > 1 adjacent heads of a head-wise component: each memory row
-// gets the group's heads x head_size contiguous elements at once.
-void copy_group_piece(const Ctx& ctx, const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref, const Item& it,
-                      const Piece& x, int64_t len, Prefetcher& pf) {
-  const int64_t es = a.elem_size, hd = a.head_size, mt = it.mem_row, g = ref.heads;
-  const int64_t pt = p.token_stride * es, ph = p.head_stride * es, pd = p.dim_stride * es;
-  const int64_t hb = hd * es;  // bytes of one head in a memory row
-#ifdef LMC_BOUNDS_CHECK
-  for (int64_t h = 0; h < g; ++h)
-    for (int64_t t = 0; t < len; ++t) LMC_CHECK(ctx, it.mspan, x.mem + t * mt + h * hb, hb);
-  if (p.kind == Kind::kTransposed) {
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t d = 0; d < hd; ++d) LMC_CHECK(ctx, it.pspan, x.page + h * ph + d * pd, len * es);
-  } else {
-    for (int64_t h = 0; h < g; ++h)
-      for (int64_t t = 0; t < len; ++t) LMC_CHECK(ctx, it.pspan, x.page + h * ph + t * pt, hb);
-  }
-#endif
-  const bool nt = ctx.nt;
-#if defined(LMC_X86)
-  if (p.kind == Kind::kRows && g_has_avx2 && hb % 32 == 0 && hb <= kInlineRowBytes) {
-    if (nt && reinterpret_cast<uintptr_t>(x.mem) % 32 == 0 && mt % 32 == 0)
-      copy_row_groups_avx2<true>(x.mem, mt, x.page, pt, ph, g, len, hb, &pf);
-    else
-      copy_row_groups_avx2<false>(x.mem, mt, x.page, pt, ph, g, len, hb, &pf);
-    pf.drain();
-    return;
-  }
-#if !defined(LMC_NO_AVX512)
-  const bool nt64 = nt && reinterpret_cast<uintptr_t>(x.mem) % 64 == 0 && mt % 64 == 0;
-  if (p.kind == Kind::kTransposed && g_has_avx512 && es == 2 && hd % 32 == 0) {
-#ifndef LMC_NO_KPAGE16
-    if (len == 16 && pd == 32 && g * hb <= 2048) {
-      if (nt64)
-        kpage16_gather_group_avx512<true>(x.mem, mt, x.page, ph, g, hd, pf);
-      else
-        kpage16_gather_group_avx512<false>(x.mem, mt, x.page, ph, g, hd, pf);
-      pf.drain();
-      return;
-    }
-#endif
-    if (len % 8 == 0) {
-      if (nt64)
-        transpose_group_b16_avx512<true>(x.mem, mt, x.page, pd, ph, g, hd, len, pf);
-      else
-        transpose_group_b16_avx512<false>(x.mem, mt, x.page, pd, ph, g, hd, len, pf);
-      pf.drain();
-      return;
-    }
-  }
-#endif
-#endif
-  for (int64_t h = 0; h < g; ++h) {  // anything else: head by head
-    if (p.kind == Kind::kTransposed)
-      transpose(ctx, nt, es, x.mem + h * hb, mt, it.mspan, x.page + h * ph, pd, it.pspan, hd, len, pf);
-    else
-      copy_rows(ctx, nt, x.mem + h * hb, mt, it.mspan, x.page + h * ph, pt, it.pspan, len, hb, &pf);
-  }
-  pf.drain();
-}
-
-void copy_piece(const Ctx& ctx, const LmcCopyArgs& a, const CompPlan& p, const PieceRef& ref, const Item& it,
-                const Piece& x, int64_t len, Prefetcher& pf, u8* scratch, const Span& sspan) {
+void copy_piece(const Ctx& ctx, const LmcCopyArgs& a, const CompPlan& p, const Item& it, const Piece& x, int64_t len,
+                Prefetcher& pf, u8* scratch, const Span& sspan) {
   const int64_t es = a.elem_size, hd = a.head_size, heads = a.num_heads, mt = it.mem_row;
   const int64_t pt = p.token_stride * es, ph = p.head_stride * es, pd = p.dim_stride * es;
   const bool gather = a.direction == LMC_GATHER;
-  if (ref.heads > 1 && gather && p.headwise()) return copy_group_piece(ctx, a, p, ref, it, x, len, pf);
-  if (ref.heads > 1 && !gather && p.headwise()) {  // scatter head group (prototype)
-    const int64_t hb = hd * es;
-#if defined(LMC_X86) && !defined(LMC_BOUNDS_CHECK)
-    if (p.kind == Kind::kRows && g_has_avx2 && hb % 32 == 0 && ctx.nt && reinterpret_cast<uintptr_t>(x.page) % 32 == 0 &&
-        pt % 32 == 0 && ph % 32 == 0) {
-      scatter_row_groups_avx2<true>(x.page, pt, ph, x.mem, mt, ref.heads, len, hb, &pf);
-      pf.drain();
-      return;
-    }
-#endif
-    const PieceRef one{ref.comp, ref.head, 1};
-    for (int64_t h = 0; h < ref.heads; ++h)
-      copy_piece(ctx, a, p, one, it, Piece{x.page + h * ph, x.mem + h * hb}, len, pf, scratch, sspan);
-    return;
-  }
   switch (p.kind) {
     case Kind::kContig:
     case Kind::kRows: {
@@ -1395,7 +1158,7 @@ void work(Job& job, int64_t begin, int64_t end) {
     const Run& run = job.runs[cur.ri];
     const PieceRef& ref = job.pieces[cur.p];
     const CompPlan& p = job.comps[ref.comp];
-    const int64_t steps = piece_steps(a, p, ref, it, run.len);
+    const int64_t steps = piece_steps(a, p, it, run.len);
     if (walk.valid(ahead)) {
       const Run& arun = job.runs[ahead.ri];
       const PieceRef& aref = job.pieces[ahead.p];
@@ -1403,11 +1166,11 @@ void work(Job& job, int64_t begin, int64_t end) {
       if (job.run_prefetch)
         aim_run_share(pf, job, ahead_it, arun, ahead.p, steps);
       else
-        aim(pf, ctx.nt, a, ap, aref, ahead_it, locate(a, ap, aref, ahead_it, arun), arun.len, steps);
+        aim(pf, ctx.nt, a, ap, ahead_it, locate(a, ap, aref, ahead_it, arun), arun.len, steps);
     } else {
       pf.reset(nullptr, 0, 0, 0, 1);
     }
-    copy_piece(ctx, a, p, ref, it, locate(a, p, ref, it, run), run.len, pf, scratch.get(), sspan);
+    copy_piece(ctx, a, p, it, locate(a, p, ref, it, run), run.len, pf, scratch.get(), sspan);
     const int64_t item = cur.item, ahead_item = ahead.item;
     walk.advance(cur);
     if (walk.valid(ahead)) walk.advance(ahead);
