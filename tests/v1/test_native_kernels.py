@@ -298,14 +298,22 @@ def test_whole_line_k_page_transposes_match(lib_path, block_size, head_size):
     for i, dtype in enumerate((torch.bfloat16, torch.float16)):
         spec = KVSpec(num_layers=2, num_heads=2, head_size=head_size, num_blocks=600 // block_size + 4,
                       block_size=block_size, dtype=dtype, layout="vllm_cpu")
-        for j, pattern in enumerate(("blocks", "offset", "random")):
-            gen = torch.Generator().manual_seed(30 + 3 * i + j)
-            n = 2 * block_size + 21
-            slots = slot_mapping(spec, n, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
-            starts, counts = chunking(n, gen)
-            for kind in ("2ltd", "strided", "t2d"):
-                for nt in (native.NT_NEVER, native.NT_ALWAYS):
-                    check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=i)
+        check_slot_patterns(lib_path, spec, 30 + 3 * i, data_seed=i)
+
+
+def check_slot_patterns(lib_path, spec: KVSpec, gen_seed: int, data_seed: int | None = None) -> None:
+    """Both directions against the fallback for whole blocks, offset runs and random slots
+    (2 % negative), every memory-view kind and both store modes (``data_seed`` None: the
+    pattern's index)."""
+    for j, pattern in enumerate(("blocks", "offset", "random")):
+        gen = torch.Generator().manual_seed(gen_seed + j)
+        n = 2 * spec.block_size + 21
+        slots = slot_mapping(spec, n, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
+        starts, counts = chunking(n, gen)
+        seed = j if data_seed is None else data_seed
+        for kind in ("2ltd", "strided", "t2d"):
+            for nt in (native.NT_NEVER, native.NT_ALWAYS):
+                check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=seed)
 
 
 @pytest.mark.parametrize("block_size", [32, 128])
@@ -318,14 +326,7 @@ def test_head_group_rows_match(lib_path, block_size, heads, head_size, dtype):
     slots, odd memory views, both store modes."""
     spec = KVSpec(num_layers=2, num_heads=heads, head_size=head_size, num_blocks=600 // block_size + 4,
                   block_size=block_size, dtype=dtype, layout="vllm_cpu")
-    for j, pattern in enumerate(("blocks", "offset", "random")):
-        gen = torch.Generator().manual_seed(50 + j)
-        n = 2 * block_size + 21
-        slots = slot_mapping(spec, n, pattern, gen, neg_frac=0.0 if pattern == "blocks" else 0.02)
-        starts, counts = chunking(n, gen)
-        for kind in ("2ltd", "strided", "t2d"):
-            for nt in (native.NT_NEVER, native.NT_ALWAYS):
-                check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=j)
+    check_slot_patterns(lib_path, spec, 50)
 
 
 def test_llama_shape_auto_mode_matches(lib_path):
