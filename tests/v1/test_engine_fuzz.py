@@ -111,10 +111,10 @@ class Geometry:
 def geometries(draw) -> Geometry:
     spec = KVSpec(
         num_layers=draw(st.integers(1, 3)),
-        num_heads=draw(st.integers(1, 3)),
+        num_heads=draw(st.integers(1, 4)),  # 4 heads, head 16 (or 8 in fp32), block 32: the kernels' head groups
         head_size=draw(st.sampled_from([1, 2, 5, 8, 16])),
         num_blocks=draw(st.integers(2, 10)),
-        block_size=draw(st.sampled_from([1, 3, 4, 8, 16])),
+        block_size=draw(st.sampled_from([1, 3, 4, 8, 16, 32])),
         dtype=draw(st.sampled_from(DTYPES)),
         layout=draw(st.sampled_from(LAYOUT_NAMES)),
     )
