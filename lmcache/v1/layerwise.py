@@ -7,13 +7,15 @@ layer (``key.split_layers(num_layers)``); each holds a one-layer ``KV_2LTD`` obj
 Store generator (:meth:`LayerwiseTransfer.store_layer`), exactly ``num_layers + 1`` ``next()`` calls, all
 returning None:
 
-* call 0 allocates the objects of every (chunk, layer) upfront (so the store cannot run
-  out of pool memory half way and evict its own earlier layers) and copies layer 0;
-* call ``i`` (1 <= i < num_layers) copies layer ``i``;
-* after each copy, every layer whose copy has completed is handed to
-  ``StorageManager.batched_put`` (all its chunks at once). On CPU copies are
-  synchronous, so layer ``i`` is in storage when call ``i`` returns; on CUDA it is
-  published by the first call that finds its copy complete, at the latest the last one;
+* call 0 reserves the pool bytes of every (chunk, layer) upfront (so the store cannot
+  run out of pool memory half way and evict its own earlier layers) and copies layer 0;
+* call ``i`` (1 <= i < num_layers) first hands every earlier layer whose copy has
+  completed to ``StorageManager.batched_put`` (all its chunks at once), then copies
+  layer ``i``. Publication trails the copy by one call: on CPU (synchronous copies)
+  layer ``i`` is in storage when call ``i + 1`` returns; on CUDA it is published by the
+  first later call that finds its copy event complete, at the latest the last one. Call
+  0 thus does only the set-up and layer 0's copy, and each later call publishes the
+  previous layer while its bookkeeping is still in cache;
 * the last call waits for the remaining copies, publishes them, drops the generator's
   references and updates the stats.
 
@@ -238,6 +240,7 @@ class _StoreState:
     num_chunks: int = 0
     objs: list[list[MemoryObj]] = field(default_factory=list)  # [layer][chunk], made layer by layer
     pending: list[LayerCopy] = field(default_factory=list)
+    given: int = 0  # layers [0, given) were handed to storage with our references (publish)
     released: bool = False
 
     def add(self, group: _Reserved | _Preallocated) -> None:
@@ -254,14 +257,21 @@ class _StoreState:
             self.objs.append(objs)
         return self.objs[layer]
 
+    def publish(self, sm: StorageManager, keys: Sequence[CacheEngineKey]) -> None:
+        """Hand the next layer's objects (copy complete) to storage under ``keys``, with
+        their references: from here storage owns them."""
+        layer = self.given
+        self.given += 1
+        sm.batched_put(keys, self.layer(layer), give=True)
+
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        for handle in self.pending:
+        for handle in self.pending[self.given :]:
             if not handle.done():
                 handle.wait()  # a copy in flight still writes into the objects
-        for layer_objs in self.objs:
+        for layer_objs in self.objs[self.given :]:
             release(layer_objs)
         for group in self.groups:
             group.release()
@@ -416,22 +426,22 @@ class LayerwiseTransfer(TransferPath):
             if spans:
                 objs_per_layer = [_LayerObjs(state, layer) for layer in range(num_layers)]
                 copier = connector.batched_from_gpu(objs_per_layer, [s.start for s in spans], [s.end for s in spans], kv)
-            published = 0  # layers [0, published) are in storage
+            pending = state.pending
             for layer in range(num_layers):
                 if copier is not None:
+                    # publish the earlier layers whose copies are complete, then copy this one
+                    while state.given < len(pending) and pending[state.given].done():
+                        state.publish(sm, keys[state.given])
                     state.layer(layer)
-                    state.pending.append(next(copier))
-                    while published < len(state.pending) and state.pending[published].done():
-                        sm.batched_put(keys[published], state.layer(published))
-                        published += 1
+                    pending.append(next(copier))
                 yield None
             # ---- last call: publish what is left, release, stats
-            for handle in state.pending[published:]:
-                if not handle.done():
-                    handle.wait()
-                sm.batched_put(keys[handle.layer], state.layer(handle.layer))
-            _touch_tail_to_head(sm, keys, len(spans))
             stored_bytes = sum(o.get_size() for o in state.objs[0]) * num_layers if state.objs else 0
+            while state.given < len(pending):
+                if not pending[state.given].done():
+                    pending[state.given].wait()
+                state.publish(sm, keys[state.given])
+            _touch_tail_to_head(sm, keys, len(spans))
             state.release()
             outcome.stored_tokens = sum(s.end - s.start for s in spans)
             outcome.finished = True

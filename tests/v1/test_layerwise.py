@@ -257,21 +257,23 @@ def test_round_trip_property(layout, buffered, num_layers, num_tokens, skip_chun
 
 
 # ----------------------------------------------------------------------------- pipelining
-def test_store_publishes_each_layer_before_touching_the_next(kernels):
+def test_store_publishes_each_layer_one_call_after_its_copy(kernels):
+    """Call i copies layer i and publishes layer i-1 (CPU copies are complete when their
+    call returns): layers are published in order, whole, never before their copy, and
+    the request stays a miss until the last call has published every layer."""
     spec = KVSpec(num_layers=4)
     engine, kv, slots, tokens = setup(spec, 3 * CHUNK)
     keys = layer_keys(engine.keys(tokens), spec.num_layers)
     sm = engine.storage_manager
     gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
-    for layer in range(spec.num_layers):
-        next(gen)
-        for other in range(spec.num_layers):
-            present = [sm.contains(k) for k in keys[other]]
-            assert present == [other <= layer] * 3, (layer, other, present)
+    for call in range(spec.num_layers + 1):
+        next(gen, None)
+        for layer in range(spec.num_layers):
+            present = [sm.contains(k) for k in keys[layer]]
+            published = layer < call or call == spec.num_layers
+            assert present == [published] * 3, (call, layer, present)
         # lookup agrees with storage order: the request is a miss until every layer is in
-        assert engine.lookup(tokens) == (3 * CHUNK if layer == spec.num_layers - 1 else 0)
-    next(gen)
-    assert engine.lookup(tokens) == 3 * CHUNK
+        assert engine.lookup(tokens) == (3 * CHUNK if call == spec.num_layers else 0)
     resident_ok(engine)
     engine.close()
 
@@ -407,7 +409,7 @@ def test_store_skips_cached_chunks_and_stops_at_the_first_negative_slot():
     puts = []
     sm = engine.storage_manager
     original = sm.batched_put
-    sm.batched_put = lambda keys, objs: (puts.append(len(keys)), original(keys, objs))  # type: ignore[method-assign]
+    sm.batched_put = lambda keys, objs, **kw: (puts.append(len(keys)), original(keys, objs, **kw))  # type: ignore[method-assign]
     drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
     assert puts == [2] * spec.num_layers  # only the two chunks not yet cached, per layer
     assert engine.lookup(tokens) == 4 * CHUNK
@@ -425,7 +427,7 @@ def test_store_skips_later_chunks_resident_for_every_layer_only():
     assert sm.remove(keys[1][2])  # chunk 2 misses layer 1
     puts: list[list] = []
     original = sm.batched_put
-    sm.batched_put = lambda k, objs: (puts.append(list(k)), original(k, objs))  # type: ignore[method-assign]
+    sm.batched_put = lambda k, objs, **kw: (puts.append(list(k)), original(k, objs, **kw))  # type: ignore[method-assign]
     drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))
     assert puts == [[keys[layer][0], keys[layer][2]] for layer in range(spec.num_layers)]
     assert engine.lookup(tokens) == 4 * CHUNK
@@ -579,11 +581,11 @@ def test_closing_a_store_midway_releases_memory_and_leaves_a_miss():
     engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
     gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
     next(gen)
-    next(gen)  # layers 0 and 1 published
+    next(gen)  # layers 0 and 1 copied, layer 0 published
     gen.close()
-    assert len(engine.storage_manager.local_cpu) == 2 * 2
-    assert engine.lookup(tokens) == 0  # layers 2, 3 missing: the whole request is a miss
-    resident_ok(engine)  # the 2 unpublished layers' objects went back to the pool
+    assert len(engine.storage_manager.local_cpu) == 2 * 1
+    assert engine.lookup(tokens) == 0  # layers 1-3 missing: the whole request is a miss
+    resident_ok(engine)  # the 3 unpublished layers' objects went back to the pool
     drive_store(engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots))  # a later store completes it
     assert engine.lookup(tokens) == 2 * CHUNK
     engine.close()

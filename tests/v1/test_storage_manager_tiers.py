@@ -134,3 +134,40 @@ def test_no_tier_imports_another_tier():
             if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("lmcache.v1.storage_backend")
         }
         assert not (imported & (tiers - {name})), f"{name} imports {imported & tiers}"
+
+
+def test_a_given_put_hands_over_the_callers_reference():
+    """``batched_put(give=True)``: what L1 inserts keeps exactly the caller's reference
+    (nothing counted up), a key already resident leaves the caller's object released,
+    and the lower tiers take (and drop) references of their own before L1 gets its."""
+    lower = FakeTier("disk")
+    sm = manager(lower)
+    keys = [CacheEngineKey("m", 1, 0, h, "uint8") for h in (1, 2, 3)]
+    old = sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY)
+    sm.put(keys[1], old)  # key 1 resident already, with its own object
+    old.ref_count_down()
+    used = sm.local_cpu.allocator.used_bytes
+    objs = [sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY) for _ in keys]
+    for i, obj in enumerate(objs):
+        obj.byte_array.fill_(i)
+    sm.batched_put(keys, objs, give=True)
+    assert [o.ref_count for o in objs] == [1, 0, 1]  # the duplicate went back to the pool
+    assert not objs[1].is_valid() and sm.local_cpu.allocator.used_bytes == used + 2 * ALIGN
+    for key, want in zip(keys, (objs[0], old, objs[2])):
+        got = sm.get(key)
+        assert got is want
+        got.ref_count_down()
+    assert [lower.data[k][0] for k in keys] == [0, 1, 2]  # every tier saw the whole sequence
+    for k in keys:
+        sm.remove(k)
+    assert sm.local_cpu.allocator.used_bytes == 0  # nothing leaked, nothing freed twice
+
+
+def test_a_given_put_without_l1_retention_releases_everything():
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 16, "local_cpu": False})
+    lower = FakeTier("disk")
+    sm = StorageManager(cfg, lower_backends=[lower], pool_bytes=16 * ALIGN)
+    lower.sm = sm
+    obj = sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY)
+    sm.batched_put([KEY], [obj], give=True)
+    assert not obj.is_valid() and KEY in lower.data and sm.local_cpu.allocator.used_bytes == 0

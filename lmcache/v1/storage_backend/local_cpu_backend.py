@@ -147,18 +147,29 @@ class LocalCPUBackend(StorageBackend):
     def batched_submit_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         self.admit_sequence(keys, objs)
 
-    def admit_sequence(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj | None]) -> None:
+    def admit_sequence(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj | None], *, give: bool = False) -> None:
         """One visit for the chunks of a sequence (``keys`` head first): resident keys are
         touched, new objects inserted (the tier takes its own reference), both from the
         tail to the head so the head is the most recent entry. ``None`` objects are
         skipped. With ``retain=False`` nothing is inserted. The listener is told about
-        the inserted keys (``"stored"``), tail first."""
+        the inserted keys (``"stored"``), tail first.
+
+        ``give=True``: the caller hands over its one reference of each (distinct) object
+        instead, so nothing is counted up for what is inserted; the objects that are not
+        inserted (key already resident, ``retain=False``) are released here. Either way
+        the caller must not use or release them after the call."""
+        leftover: list[MemoryObj] = []
         with self._lock:
             if not self.retain:
                 self._index.touch_sequence(keys)
                 inserted: list[CacheEngineKey] = []
             else:
-                inserted = self._index.admit(keys, objs, MemoryObj.get_physical_size, MemoryObj.ref_count_up)
+                inserted = self._index.admit(keys, objs, MemoryObj.get_physical_size, None if give else MemoryObj.ref_count_up)
+            if give and len(inserted) != len(objs):
+                get = self._index.get
+                leftover = [obj for key, obj in zip(keys, objs) if obj is not None and get(key) is not obj]
+        for obj in leftover:
+            obj.ref_count_down()
         self._notify("stored", inserted)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:

@@ -137,17 +137,21 @@ class ResidentIndex(Generic[K, V]):
         self.used += size
         self.policy.on_insert(key)
 
-    def admit(self, keys: Sequence[K], values: Sequence[V | None], size_of: Callable[[V], int], take: Callable[[V], None]) -> list[K]:
+    def admit(
+        self, keys: Sequence[K], values: Sequence[V | None], size_of: Callable[[V], int], take: Callable[[V], None] | None
+    ) -> list[K]:
         """One sequence's entries (``keys`` head first), visited tail first: a present key is
         touched; an absent one with a value is indexed after ``take(value)`` (the caller's
-        hook for taking its reference). Returns the inserted keys, tail first."""
+        hook for taking its reference; None when the caller hands its own reference over).
+        Returns the inserted keys, tail first."""
         slots, on_hit = self._slots, self.policy.on_hit
         inserted: list[K] = []
         for key, value in zip(reversed(keys), reversed(values)):
             if key in slots:
                 on_hit(key)
             elif value is not None:
-                take(value)
+                if take is not None:
+                    take(value)
                 self._add(key, value, size_of(value), 0)
                 inserted.append(key)
         return inserted
@@ -185,10 +189,10 @@ class ResidentIndex(Generic[K, V]):
 
     def touch_sequence(self, keys: Sequence[K]) -> int:
         """Touch the chunks of one sequence (``keys`` head first) tail first; number present."""
-        n = 0
-        for key in reversed(keys):
-            n += self.touch(key)
-        return n
+        slots = self._slots
+        present = [key for key in reversed(keys) if key in slots]
+        self.policy.on_hits(present)
+        return len(present)
 
     def pin(self, key: K) -> bool:
         slot = self._slots.get(key)

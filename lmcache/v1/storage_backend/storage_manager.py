@@ -145,17 +145,27 @@ class StorageManager:
         return self.local_cpu.resident_flags(keys)
 
     # ------------------------------------------------------------------ writes
-    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj], *, give: bool = False) -> None:
         """Store objects in L1 and submit them to the lower tiers.
 
         Each tier gets the whole sequence (``batched_submit_put``, keys head first) and
         hands the keys to its policy from the last to the first, so that the head of a
         sequence is the most recent entry for every eviction policy (tail evicted
-        before head).
+        before head). Each tier takes its own references; the caller keeps its own.
+
+        ``give=True`` hands the caller's reference of each (distinct) object to L1
+        instead (:meth:`LocalCPUBackend.admit_sequence`): the caller must not use or
+        release the objects after the call. The lower tiers take theirs first, so L1
+        evicting an object at once cannot free it under them.
         """
         assert len(keys) == len(objs)
-        for backend in self.backends:
+        if not give:
+            for backend in self.backends:
+                backend.batched_submit_put(keys, objs)
+            return
+        for backend in self.lower:
             backend.batched_submit_put(keys, objs)
+        self.local_cpu.admit_sequence(keys, objs, give=True)
 
     def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
         self.batched_put([key], [obj])

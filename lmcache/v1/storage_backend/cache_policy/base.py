@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Hashable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 
 class EvictionPolicy(ABC):
@@ -16,6 +16,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_hit(self, key: Hashable) -> None:
         """A resident key was read."""
+
+    def on_hits(self, keys: Iterable[Hashable]) -> None:
+        """:meth:`on_hit` for each of ``keys``, in order (one call for a batch of resident keys)."""
+        for key in keys:
+            self.on_hit(key)
 
     @abstractmethod
     def on_remove(self, key: Hashable) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterator
+from typing import Hashable, Iterable, Iterator
 
 from lmcache.v1.storage_backend.cache_policy.base import EvictionPolicy
 
@@ -21,6 +21,13 @@ class LRUPolicy(EvictionPolicy):
     def on_hit(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def on_hits(self, keys: Iterable[Hashable]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def on_remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
