@@ -16,8 +16,10 @@ returning None:
   first later call that finds its copy event complete, at the latest the last one. Call
   0 thus does only the set-up and layer 0's copy, and each later call publishes the
   previous layer while its bookkeeping is still in cache;
-* the last call waits for the remaining copies, publishes them, drops the generator's
-  references and updates the stats.
+* the last call waits for the remaining copies, publishes them, returns what was never
+  used to the pool and updates the stats. Publishing hands the generator's references
+  to L1 (``batched_put(..., give=True)``); a generator closed early releases the objects
+  of the layers it had not published.
 
 Retrieve generator (:meth:`LayerwiseTransfer.retrieve_layer`), exactly ``num_layers + 2`` ``next()`` calls:
 

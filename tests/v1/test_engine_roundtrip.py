@@ -163,3 +163,30 @@ def test_builder_registry_and_bad_input():
         e1.store(list(range(16)), kvcaches=random_kv_caches(spec), slot_mapping=None)
     LMCacheEngineBuilder.destroy("t1")
     assert LMCacheEngineBuilder.get("t1") is None
+
+
+@pytest.mark.parametrize("use_native", [False, True])
+def test_connector_takes_objects_with_a_tensor_and_names_a_bad_one(use_native, monkeypatch):
+    """The bulk connector's public copies take any object with a ``.tensor`` (what a caller of
+    LMCache's connector API may pass): the native address path is only for pool objects, the
+    rest goes through the tensor path, bit-exact either way. Anything else is a TypeError
+    that names the object, never an AttributeError from inside the copy path."""
+    from types import SimpleNamespace
+
+    from lmcache.v1.gpu_connector import copy_ops, native
+
+    if use_native and native.load() is None:
+        pytest.skip("native kernels are not built")
+    monkeypatch.setattr(copy_ops, "USE_NATIVE", use_native)
+    spec = KVSpec(num_layers=2, layout="flash_attn")
+    conn = make_connector(spec, CHUNK)
+    kv = random_kv_caches(spec, seed=3)
+    slots = random_slot_mapping(spec, 2 * CHUNK, seed=4)
+    starts, ends = [0, CHUNK], [CHUNK, 2 * CHUNK]
+    mems = [torch.zeros(tuple(conn.get_shape(CHUNK)), dtype=spec.dtype) for _ in starts]
+    conn.batched_from_gpu([SimpleNamespace(tensor=m) for m in mems], starts, ends, kvcaches=kv, slot_mapping=slots)
+    out = [torch.zeros_like(t) for t in kv]
+    conn.batched_to_gpu([SimpleNamespace(tensor=m) for m in mems], starts, ends, kvcaches=out, slot_mapping=slots)
+    assert_same_tokens(kv, slots, out, slots, spec, 2 * CHUNK)
+    with pytest.raises(TypeError, match=r"objs\[1\]: expected a MemoryObj.*got str"):
+        conn.batched_from_gpu([SimpleNamespace(tensor=mems[0]), "not an object"], starts, ends, kvcaches=kv, slot_mapping=slots)

@@ -111,9 +111,11 @@ class LayerwiseGPUConnector(PagedKVBase):
     # ------------------------------------------------------------------ helpers
     def _kernel_view(self, obj: MemoryObj, start: int, end: int) -> torch.Tensor:
         """The object's ``[num_kv, 1, T, hidden]`` tensor (what copy_ops expects), shape-checked."""
-        t = obj.tensor
-        if t is None:
-            raise ValueError("MemoryObj used after it was freed")
+        t = getattr(obj, "tensor", None)
+        if not isinstance(t, torch.Tensor):
+            if isinstance(obj, MemoryObj):
+                raise ValueError("MemoryObj used after it was freed")
+            raise TypeError(f"objs: expected a MemoryObj (or an object with a .tensor), got {type(obj).__name__}")
         if tuple(t.shape) != tuple(self.get_shape(end - start)):
             raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold one layer of tokens [{start}, {end})")
         return t
@@ -288,6 +290,8 @@ class VLLMPagedMemLayerwiseGPUConnector(LayerwiseGPUConnector):
             ptrs = pool_addresses(objs, want, dtype)  # pool objects: no tensor op
             if ptrs is None:
                 j = next(j for j, obj in enumerate(objs) if pool_addresses([obj], [want[j]], dtype) is None)
+                if not isinstance(objs[j], MemoryObj):
+                    raise TypeError(f"objs[{j}]: expected a MemoryObj, got {type(objs[j]).__name__}")
                 self._kernel_view(objs[j], starts[j], ends[j])  # raises the precise error for a wrong shape
                 raise ValueError(f"MemoryObj {objs[j]!r}: dtype {objs[j].meta.dtype} or device does not match the KV ({dtype}, cpu)")
             run(layer, ptrs)

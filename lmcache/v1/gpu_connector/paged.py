@@ -175,6 +175,8 @@ def pool_addresses(objs: Sequence[MemoryObj], shapes: Sequence[tuple[int, ...]],
     raise the precise error)."""
     ptrs = []
     for obj, shape in zip(objs, shapes):
+        if not isinstance(obj, MemoryObj):
+            return None  # a duck-typed object with a .tensor: the tensor path handles (or rejects) it
         meta = obj.meta
         ptr = obj.host_address()
         if ptr is None or meta.shape != shape or meta.dtype != dtype:
@@ -201,9 +203,12 @@ class VLLMPagedMemGPUConnectorV2(PagedKVBase, GPUConnectorInterface):
     def _views(self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int]) -> list[torch.Tensor]:
         _check_spans(objs, starts, ends)
         views = []
-        for obj, start, end in zip(objs, starts, ends):
-            t = obj.tensor
-            assert t is not None, "MemoryObj used after it was freed"
+        for i, (obj, start, end) in enumerate(zip(objs, starts, ends)):
+            t = getattr(obj, "tensor", None)
+            if not isinstance(t, torch.Tensor):
+                if isinstance(obj, MemoryObj):
+                    raise ValueError(f"objs[{i}]: MemoryObj used after it was freed")
+                raise TypeError(f"objs[{i}]: expected a MemoryObj (or an object with a .tensor), got {type(obj).__name__}")
             if tuple(t.shape) != tuple(self.get_shape(end - start)):
                 raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold tokens [{start}, {end})")
             views.append(t)
