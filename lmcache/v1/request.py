@@ -46,6 +46,7 @@ KEY_EXTRA_NAMES = ("cache_salt", "request_configs", "extra_keys")
 COPY_ARG_NAMES = ("kvcaches", "slot_mapping")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _SLOT_DTYPES = (torch.int32, torch.int64)
+_I4 = np.dtype("<i4")  # a dtype object, not a string: numpy parses no format per call (~10 us with cold caches)
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -204,22 +205,21 @@ def _native_int32(tokens: object) -> np.ndarray | None:
     if _tokens_int32 is None or not native_hash_enabled():
         return None
     raw = _tokens_int32(tokens)
-    return None if raw is None else np.frombuffer(raw, dtype="<i4")
+    return None if raw is None else np.frombuffer(raw, _I4)
 
 
-def _native_address(t: torch.Tensor) -> int | None:
+def _native_address(t: torch.Tensor, dtype: torch.dtype | None = None) -> int | None:
     """The data address of a contiguous 1-D int32/int64 CPU tensor with at least one element,
-    when the native scans are built and enabled (they read it directly, no numpy view)."""
-    if (
-        _int_stats is None
-        or not t.is_cpu
-        or t.layout != torch.strided
-        or t.dtype not in _SLOT_DTYPES
-        or t.dim() != 1
-        or t.shape[0] == 0
-        or t.stride(0) != 1
-        or not native_hash_enabled()
-    ):
+    when the native scans are built and enabled (they read it directly, no numpy view).
+    ``dtype``: ``t.dtype`` when the caller has read it already. Each tensor attribute is
+    read once, and only as far as needed: with cold caches (right after a large copy) the
+    first call into torch costs 10-15 us and each further distinct one a few."""
+    if _int_stats is None or not _NATIVE_HASH:
+        return None
+    if (dtype or t.dtype) not in _SLOT_DTYPES or not t.is_cpu or t.layout != torch.strided:
+        return None
+    shape = t.shape
+    if len(shape) != 1 or not shape[0] or t.stride(0) != 1:
         return None
     return t.data_ptr()
 
@@ -231,13 +231,14 @@ def tokens_to_array(tokens: object) -> np.ndarray:
     ValueError for integers outside int32 or a wrong rank.
     """
     if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens: expected a 1-D integer tensor, got shape {tuple(tokens.shape)} {tokens.dtype}")
-        addr = _native_address(tokens)
+        dtype = tokens.dtype
+        if tokens.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise ValueError(f"tokens: expected a 1-D integer tensor, got shape {tuple(tokens.shape)} {dtype}")
+        addr = _native_address(tokens, dtype)
         if addr is not None:
-            raw = _tokens_int32_at(addr, tokens.shape[0], tokens.element_size())
+            raw = _tokens_int32_at(addr, tokens.shape[0], dtype.itemsize)
             if raw is not None:
-                return np.frombuffer(raw, dtype="<i4")
+                return np.frombuffer(raw, _I4)
         try:
             arr = tokens.numpy()  # a CPU tensor without grad: a view, one call
         except (RuntimeError, TypeError):
@@ -407,17 +408,18 @@ def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torc
         raise ValueError("slot_mapping: missing; expected a 1-D int32/int64 tensor with one slot per token")
     if not isinstance(slot_mapping, torch.Tensor):
         raise TypeError(f"slot_mapping: expected a 1-D int32/int64 torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dtype not in _SLOT_DTYPES:
-        raise TypeError(f"slot_mapping: dtype {slot_mapping.dtype}; expected torch.int32 or torch.int64")
+    dtype = slot_mapping.dtype
+    if dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping: dtype {dtype}; expected torch.int32 or torch.int64")
     if slot_mapping.dim() != 1:
         raise ValueError(f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}")
     if slot_mapping.shape[0] < n:
         raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries; expected at least {n} (one per token)")
     if n == 0:
         return slot_mapping, 0
-    addr = _native_address(slot_mapping)
+    addr = _native_address(slot_mapping, dtype)
     if addr is not None:  # one C pass over the first n slots
-        top, first_neg = _int_stats(addr, n, slot_mapping.element_size())
+        top, first_neg = _int_stats(addr, n, dtype.itemsize)
     elif slot_mapping.device.type == "cpu":
         arr = slot_mapping.numpy()[:n]
         lo, top = int(arr.min()), int(arr.max())
