@@ -38,15 +38,19 @@ class StorageMachine(RuleBasedStateMachine):
                 assert self.pins.get(k, 0) == 0, "a pinned entry was evicted"
                 del self.model[k]
 
-    @rule(k=key_ids, pages=st.integers(1, 6), fill=st.integers(0, 255))
-    def put(self, k, pages, fill):
+    @rule(k=key_ids, pages=st.integers(1, 6), fill=st.integers(0, 255), give=st.booleans())
+    def put(self, k, pages, fill, give):
+        """``give``: the caller's reference goes to L1 (the layerwise store's publish);
+        otherwise L1 takes its own and the caller drops its. Same model either way; the
+        teardown's empty pool proves neither leaks nor frees twice."""
         obj = self.sm.allocate((pages * ALIGN,), torch.uint8, MemoryFormat.BINARY)
         self._sync_evictions()
         if obj is None:
             return  # skipped store: allowed only when pinned/used entries block eviction
         obj.tensor.fill_(fill)
-        self.sm.batched_put([KEYS[k]], [obj])
-        obj.ref_count_down()
+        self.sm.batched_put([KEYS[k]], [obj], give=give)
+        if not give:
+            obj.ref_count_down()
         if k not in self.model:
             self.model[k] = fill  # an existing key keeps its first value
 
