@@ -938,6 +938,62 @@ def test_stream_ordering_follows_the_first_and_last_request_rules(fake_cuda):
     engine.close()
 
 
+class _LateEvent(_FakeEvent):
+    """A copy event that completes only when the test says so (``done`` holds its name)."""
+
+    done: set[str] = set()
+
+    def query(self) -> bool:
+        return self.name in self.done
+
+    def synchronize(self) -> None:
+        self.log.append(("cpu_wait", self.name))
+        self.done.add(self.name)
+
+
+@pytest.mark.parametrize("close_after", [None, 2])
+def test_async_store_publishes_only_completed_copies_and_owns_the_rest(fake_cuda, monkeypatch, close_after):
+    """CUDA-like copies (events complete later): a layer is published by the first call that
+    finds its copy complete, in layer order; the last call waits for the rest. Published
+    layers belong to L1 (one reference each); a generator closed early waits only for the
+    copies it still owns and releases those layers, leaving a miss."""
+    log, attach = fake_cuda
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _LateEvent(log))
+    _LateEvent.done = set()
+    spec = KVSpec(num_layers=4)
+    engine, kv, slots, tokens = setup(spec, 2 * CHUNK)
+    attach(engine.gpu_connector)
+    keys = layer_keys(engine.keys(tokens), spec.num_layers)
+    sm = engine.storage_manager
+
+    def published() -> list[bool]:
+        return [all(sm.contains(k) for k in keys[layer]) for layer in range(spec.num_layers)]
+
+    gen = engine.store_layer(tokens, kvcaches=kv, slot_mapping=slots)
+    next(gen)  # layer 0 copy queued (ev1)
+    next(gen)  # ev1 not complete: nothing published; layer 1 queued (ev2)
+    assert published() == [False] * 4
+    _LateEvent.done |= {"ev2"}  # layer 1 completes before layer 0: order is kept
+    next(gen)  # layer 2 queued (ev3)
+    assert published() == [False] * 4
+    if close_after == 2:
+        gen.close()  # waits for the copies it owns (ev1, ev2, ev3), then releases them
+        assert [e for e in log if e[0] == "cpu_wait"] == [("cpu_wait", "ev1"), ("cpu_wait", "ev3")]
+        assert published() == [False] * 4 and engine.lookup(tokens) == 0
+        resident_ok(engine)
+        engine.close()
+        return
+    _LateEvent.done |= {"ev1"}
+    next(gen)  # layers 0 and 1 published, layer 3 queued (ev4)
+    assert published() == [True, True, False, False]
+    assert engine.lookup(tokens) == 0
+    next(gen)  # last call: waits for ev3 and ev4, publishes layers 2 and 3
+    assert [e for e in log if e[0] == "cpu_wait"] == [("cpu_wait", "ev3"), ("cpu_wait", "ev4")]
+    assert published() == [True] * 4 and engine.lookup(tokens) == 2 * CHUNK
+    resident_ok(engine)  # every published object carries only L1's (the generator's former) reference
+    engine.close()
+
+
 def test_store_asks_lower_tiers_once_per_layer_not_per_chunk():
     """Issue 12: the layerwise store looks up its cached prefix through the StorageManager's
     batched lookup (one batched call per tier and layer), not ``contains`` per chunk and
