@@ -45,7 +45,7 @@ import torch
 
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
-from lmcache.v1.gpu_connector.paged import PagedKVBase, pool_addresses
+from lmcache.v1.gpu_connector.paged import PagedKVBase, object_tensor, pool_addresses
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import PagedKV
 
@@ -111,11 +111,7 @@ class LayerwiseGPUConnector(PagedKVBase):
     # ------------------------------------------------------------------ helpers
     def _kernel_view(self, obj: MemoryObj, start: int, end: int) -> torch.Tensor:
         """The object's ``[num_kv, 1, T, hidden]`` tensor (what copy_ops expects), shape-checked."""
-        t = getattr(obj, "tensor", None)
-        if not isinstance(t, torch.Tensor):
-            if isinstance(obj, MemoryObj):
-                raise ValueError("MemoryObj used after it was freed")
-            raise TypeError(f"objs: expected a MemoryObj (or an object with a .tensor), got {type(obj).__name__}")
+        t = object_tensor(obj, "objs")
         if tuple(t.shape) != tuple(self.get_shape(end - start)):
             raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold one layer of tokens [{start}, {end})")
         return t

@@ -185,6 +185,18 @@ def pool_addresses(objs: Sequence[MemoryObj], shapes: Sequence[tuple[int, ...]],
     return ptrs
 
 
+def object_tensor(obj: object, where: str) -> torch.Tensor:
+    """The tensor of a copy's memory object: a live :class:`MemoryObj`, or any object with a
+    ``.tensor`` (LMCache's connector API is duck-typed). ValueError for a freed MemoryObj,
+    TypeError for anything else; ``where`` names the argument in the message."""
+    t = getattr(obj, "tensor", None)
+    if isinstance(t, torch.Tensor):
+        return t
+    if isinstance(obj, MemoryObj):
+        raise ValueError(f"{where}: MemoryObj used after it was freed")
+    raise TypeError(f"{where}: expected a MemoryObj (or an object with a .tensor), got {type(obj).__name__}")
+
+
 def _check_spans(objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int]) -> None:
     if not len(objs) == len(starts) == len(ends):
         raise ValueError(f"objs/starts/ends: lengths differ ({len(objs)}, {len(starts)}, {len(ends)})")
@@ -204,11 +216,7 @@ class VLLMPagedMemGPUConnectorV2(PagedKVBase, GPUConnectorInterface):
         _check_spans(objs, starts, ends)
         views = []
         for i, (obj, start, end) in enumerate(zip(objs, starts, ends)):
-            t = getattr(obj, "tensor", None)
-            if not isinstance(t, torch.Tensor):
-                if isinstance(obj, MemoryObj):
-                    raise ValueError(f"objs[{i}]: MemoryObj used after it was freed")
-                raise TypeError(f"objs[{i}]: expected a MemoryObj (or an object with a .tensor), got {type(obj).__name__}")
+            t = object_tensor(obj, f"objs[{i}]")
             if tuple(t.shape) != tuple(self.get_shape(end - start)):
                 raise ValueError(f"MemoryObj shape {tuple(t.shape)} does not hold tokens [{start}, {end})")
             views.append(t)
