@@ -48,6 +48,10 @@ class TinyModelSpec:
     max_positions: int = 4096
     initializer_range: float = 0.2
     seed: int = 0
+    arch: str = "llama"
+    """``"llama"``, ``"llama-sliding"`` (every layer ``sliding_attention``) or ``"gemma3"``
+    (Gemma 3 text: sliding-window layers mixed with full-attention ones)."""
+    sliding_window: int | None = None
 
     def digest(self) -> str:
         return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -86,7 +90,6 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
     Idempotent: a directory holding a complete build of the same spec is reused.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(path)
     stamp = out / ".lmcache-tiny-model"
@@ -94,9 +97,18 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
         return out
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out, spec.vocab_size, spec.seed)
-    vocab = len(tok)
     torch.manual_seed(spec.seed)
-    cfg = LlamaConfig(
+    cfg, model_cls = _tiny_config(spec, len(tok), tok.bos_token_id, tok.eos_token_id)
+    cfg.dtype = torch.float32
+    model = model_cls(cfg).to(torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    stamp.write_text(spec.digest())
+    return out
+
+
+def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[Any, Any]:
+    """transformers (config, model class) of ``spec.arch``."""
+    common = dict(
         vocab_size=vocab,
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
@@ -105,15 +117,31 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyModelSpec = TinyMod
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
         initializer_range=spec.initializer_range,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
         tie_word_embeddings=False,
     )
-    cfg.dtype = torch.float32
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(str(out), safe_serialization=True)
-    stamp.write_text(spec.digest())
-    return out
+    if spec.arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(spec.num_layers)]
+        head_dim = spec.hidden // spec.heads
+        cfg = Gemma3TextConfig(
+            **common, head_dim=head_dim, sliding_window=spec.sliding_window or 64, layer_types=layer_types
+        )
+        return cfg, Gemma3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if spec.arch == "llama-sliding":
+        cfg = LlamaConfig(
+            **common,
+            sliding_window=spec.sliding_window or 64,
+            layer_types=["sliding_attention"] * spec.num_layers,
+        )
+        return cfg, LlamaForCausalLM
+    if spec.arch != "llama":
+        raise ValueError(f"arch={spec.arch!r}: expected 'llama', 'llama-sliding' or 'gemma3'")
+    return LlamaConfig(**common), LlamaForCausalLM
 
 
 def tiny_model_path(spec: TinyModelSpec = TinyModelSpec()) -> Path:
@@ -329,6 +357,8 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     ``{"type": "fail_get", "every": k}``: every k-th stored chunk stays visible to
     lookups but its reads fail, like a corrupt entry found at load time; the load
     must fail and the blocks be recomputed.
+    ``{"type": "zero", "every": k}``: overwrite every k-th stored chunk's KV with zeros
+    (a sensitivity check: loads that really use the cache then change the output).
     """
     from lmcache.integration.vllm.utils import engine_for
 
@@ -361,8 +391,17 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
             return objs[:cut]
 
         l1.get_prefix = failing_prefix  # type: ignore[method-assign]
+    elif action["type"] == "zero":
+        import torch
+
+        for key in chosen:
+            obj = sm.local_cpu.get_blocking(key)
+            if obj is not None:
+                with torch.inference_mode():
+                    obj.tensor.zero_()
+                obj.ref_count_down()
     else:
-        raise ValueError(f"action type {action['type']!r}: expected 'drop' or 'fail_get'")
+        raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get' or 'zero'")
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
 
 

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
 
 from lmcache.integration.vllm.kv_events import to_vllm_events
+from lmcache.integration.vllm.kv_groups import refuse_unsupported_model
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
@@ -164,6 +165,14 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
             return ()
         batch, self._kv_events = self._kv_events, None
         return batch.aggregate().get_all_events()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """No layout preference; used as vLLM's earliest class hook to refuse a model lmcache
+        cannot cache (a Mamba / linear-attention hybrid) with a clear reason, before vLLM's own
+        cache-group check fails with a message that does not name the connector."""
+        refuse_unsupported_model(vllm_config)
+        return None
 
     # ------------------------------------------------------------------ metrics (route a)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
 from lmcache.integration.vllm.utils import default_socket_dir, instance_id
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
@@ -79,6 +80,7 @@ class AdapterSettings:
     device: str
     socket_dir: str
     lookup_timeout: float
+    kv_groups: KVGroups = KVGroups("FullAttentionSpec")
 
     @property
     def chunk_size(self) -> int:
@@ -96,6 +98,11 @@ class AdapterSettings:
         if self.block_size >= cfg.chunk_size or cfg.chunk_size % self.block_size:
             return None
         return self.block_size
+
+    @property
+    def window(self) -> WindowRule | None:
+        """vLLM's block-freeing rule when every layer is sliding-window, else None."""
+        return self.kv_groups.window_rule(self.block_size)
 
     @property
     def hidden_dim(self) -> int:
@@ -117,8 +124,9 @@ class LookupOptions:
         return parse_options(cls, config.extra_config)
 
 
-def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
-    """Read the vLLM config (raises ValueError/ConfigError for unsupported setups)."""
+def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> AdapterSettings:
+    """Read the vLLM config and its KV cache groups (raises ValueError/ConfigError, or
+    :class:`~.kv_groups.UnsupportedModelError`, for unsupported setups)."""
     ktc = vllm_config.kv_transfer_config
     if ktc is None:
         raise ValueError("kv_transfer_config: expected a KVTransferConfig for the lmcache connector")
@@ -130,6 +138,8 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
             "tensor parallelism only (expected 1)"
         )
     model = vllm_config.model_config
+    refuse_unsupported_model(vllm_config)
+    kv_groups = read_kv_groups(kv_cache_config, str(model.model))
     role = getattr(ktc, "kv_role", None) or "kv_both"
     lookup = LookupOptions.from_config(config)
     device_cfg = getattr(vllm_config, "device_config", None)
@@ -150,6 +160,7 @@ def settings_from_vllm(vllm_config: Any) -> AdapterSettings:
         device=device,
         socket_dir=lookup.socket_dir or default_socket_dir(),
         lookup_timeout=lookup.timeout,
+        kv_groups=kv_groups,
     )
 
 

@@ -16,6 +16,13 @@ request, as vLLM drives it:
    (a save). Chunked prefill just completes chunks over several steps.
 4. ``request_finished`` -> :meth:`RequestPlanner.finish` forgets it.
 
+All-sliding-window models (``PlannerConfig.window``): vLLM frees the blocks of tokens
+that left every future query's window. The planner never reads or writes through them:
+a hit is offered only up to the length vLLM admits without null blocks
+(:attr:`~.kv_groups.WindowRule.max_admitted`, so a failed load stays recomputable), and a
+save drops the chunks that started before the first live block (none when the window is
+at least a chunk long).
+
 A preempted request comes back through 1-3 (vLLM resets its computed tokens), so its
 prompt chunks are loaded again instead of recomputed. Only prompt tokens are saved;
 only complete chunks, plus the prompt's last, partial chunk once the prompt is complete
@@ -32,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
+from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.utils import failure_logger, request_key_extras, slot_mapping
 
 logger = logging.getLogger(__name__)
@@ -98,6 +106,9 @@ class PlannerConfig:
     """vLLM's block size when the engine reuses KV at block granularity (None: whole chunks)."""
     enable_load: bool = True
     enable_save: bool = True
+    window: WindowRule | None = None
+    """Set for an all-sliding-window model: which blocks vLLM keeps (see :meth:`RequestPlanner.offer`
+    and :meth:`RequestPlanner._plan`)."""
 
 
 class RequestPlanner:
@@ -107,7 +118,7 @@ class RequestPlanner:
         self.config = config
         self._trackers: dict[str, RequestTracker] = {}
         self.warn = failure_logger(logger)
-        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0}
+        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
 
     @property
@@ -155,6 +166,9 @@ class RequestPlanner:
         tracker = self.track(request)
         if tracker is None:
             return 0
+        window = self.config.window
+        if window is not None:  # no null blocks: a failed load must stay recomputable
+            num_hit = min(num_hit, window.max_admitted)
         tracker.num_hit = num_hit
         tracker.pending_external = 0
         n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
@@ -228,22 +242,37 @@ class RequestPlanner:
             save = save_range(
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
+        live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
+        if save is not None and save.skip < live:
+            save = self._drop_freed(tracker, save, live)
         if load is None and save is None:
             return
         n = max(load.load_len if load else 0, save.end if save else 0)
+        slots = slot_mapping(tracker.block_ids, cfg.block_size, n)
+        slots[:live] = -1  # blocks vLLM freed (sliding window): ids we saw may hold other requests' KV now
         self.counters["planned_loads"] += load is not None
         self.counters["planned_saves"] += save is not None
         out.append(
-            ReqMeta(
-                tracker.req_id,
-                tracker.token_ids(n),
-                slot_mapping(tracker.block_ids, cfg.block_size, n),
-                cfg.block_size,
-                load,
-                save,
-                tracker.key_extras,
-            )
+            ReqMeta(tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras)
         )
+
+    def _drop_freed(self, tracker: RequestTracker, save: SaveSpec, live: int) -> SaveSpec | None:
+        """``save`` without the chunks that start before ``live`` (sliding window: part of their
+        KV is in blocks vLLM already freed). Happens when the window is shorter than a chunk."""
+        c = self.config.chunk_size
+        skip = -(-live // c) * c
+        self.counters["window_dropped_saves"] += 1
+        self.warn(
+            "window",
+            "lmcache: %s: tokens [%d, %d) left the sliding window before their chunk was complete; tokens "
+            "[%d, %d) are not stored (a chunk_size no larger than the window avoids this)",
+            tracker.req_id,
+            save.skip,
+            live,
+            save.skip,
+            min(skip, save.end),
+        )
+        return SaveSpec(skip, save.end) if skip < save.end else None
 
     # --------------------------------------------------------------- lifecycle
     def finish(self, req_id: str) -> None:

@@ -45,6 +45,7 @@ import logging
 from typing import Any
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
+from lmcache.integration.vllm.kv_groups import UnsupportedModelError
 from lmcache.integration.vllm.lookup_service import LookupServer
 from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
@@ -100,9 +101,12 @@ class LMCacheConnectorV1Impl:
         self._parent = parent
         self.vllm_config = vllm_config
         try:  # first: a bad configuration fails before anything is built, in one readable line
-            self.settings: AdapterSettings = settings_from_vllm(vllm_config)
+            self.settings: AdapterSettings = settings_from_vllm(vllm_config, getattr(parent, "_kv_cache_config", None))
         except ConfigError as exc:
             logger.error("lmcache configuration error: %s", exc)
+            raise
+        except UnsupportedModelError as exc:
+            logger.error("lmcache cannot serve this model: %s", exc)
             raise
         self.stats_delta: StatsDelta | None = None
         self.kv_events: Any = None
@@ -132,10 +136,31 @@ class LMCacheConnectorV1Impl:
         atexit.register(self.close)
         if self.is_scheduler:
             logger.info(
-                "lmcache connector (scheduler) for %s: chunk_size=%d, world_size=%d",
+                "lmcache connector (scheduler) for %s: chunk_size=%d, world_size=%d, KV group %s",
                 self.settings.model_name,
                 self.settings.chunk_size,
                 self.settings.world_size,
+                self.settings.kv_groups.describe(),
+            )
+            self._warn_short_window()
+
+    def _warn_short_window(self) -> None:
+        window = self.settings.window
+        if window is None:
+            return
+        logger.info(
+            "lmcache: all-sliding-window model (window %d tokens): a cached prefix is loaded up to %d tokens "
+            "(vLLM frees blocks that leave the window)",
+            window.window,
+            window.max_admitted,
+        )
+        if window.window < self.settings.chunk_size:
+            logger.warning(
+                "lmcache: sliding window %d < chunk_size %d: chunks computed over several steps (chunked prefill) "
+                "cannot be stored; set chunk_size to %d or less",
+                window.window,
+                self.settings.chunk_size,
+                window.window,
             )
 
     def _start_observability(self, parent: Any) -> None:
