@@ -38,9 +38,10 @@ import torch
 
 if TYPE_CHECKING:  # layouts are imported lazily: gpu_connector itself imports this module
     from lmcache.v1.gpu_connector.layouts import KVLayout, PagedGeometry
+    from lmcache.v1.token_database import ChunkSpan
 
 TokenInput = Sequence[int] | np.ndarray | torch.Tensor
-MaskInput = torch.Tensor | np.ndarray | Sequence[bool] | None
+MaskInput = torch.Tensor | np.ndarray | Sequence[bool | int | float] | None
 
 KEY_EXTRA_NAMES = ("cache_salt", "request_configs", "extra_keys")
 COPY_ARG_NAMES = ("kvcaches", "slot_mapping")
@@ -270,31 +271,63 @@ def tokens_to_array(tokens: object) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def mask_start(mask: MaskInput, n: int, chunk_size: int) -> int:
-    """Number of leading False entries of a False-prefix/True-suffix bool mask (validated).
+def _number(value: object) -> str:
+    """A mask value for an error message (floats without float32 noise: 0.1, nan, 2)."""
+    return f"{value:g}" if isinstance(value, (float, np.floating)) else repr(value)
 
-    ``None`` means all True. The mask must be bool (tensor, array or sequence of bools)
-    of shape ``(n,)``; its False prefix must be a multiple of ``chunk_size``.
+
+def _mask_array(mask: object) -> np.ndarray:
+    """``mask`` as a numpy array of bools, numbers or nothing else (TypeError otherwise)."""
+    if isinstance(mask, torch.Tensor):
+        dtype = mask.dtype
+        if dtype.is_complex:
+            raise TypeError(f"mask: expected a bool, integer or float tensor, got dtype {dtype}")
+        m = mask.detach().to("cpu")
+        if dtype.is_floating_point and dtype not in (torch.float32, torch.float64):
+            m = m.to(torch.float32)  # bfloat16/float8 have no numpy form; 0, 1 and NaN stay exact
+        return m.numpy()
+    if isinstance(mask, np.ndarray):
+        if mask.dtype != np.bool_ and mask.dtype.kind not in "iuf":
+            raise TypeError(f"mask: expected a bool, integer or float array, got dtype {mask.dtype}")
+        return mask
+    if isinstance(mask, Sequence) and not isinstance(mask, (str, bytes, bytearray)):
+        for i, v in enumerate(mask):
+            if not isinstance(v, (bool, int, float, np.bool_, np.integer, np.floating)):
+                raise TypeError(f"mask[{i}]={_short(v)}: expected a bool or the number 0 or 1")
+            if v != 0 and v != 1:  # NaN compares unequal to both
+                raise ValueError(f"mask: value {_number(v)} at index {i}; expected only 0 or 1 (or bools)")
+        return np.fromiter((bool(v) for v in mask), dtype=np.bool_, count=len(mask))
+    raise TypeError(f"mask: expected a bool (or 0/1) tensor, array or sequence, got {type(mask).__name__}")
+
+
+def mask_bools(mask: object) -> np.ndarray:
+    """``mask`` as a numpy bool array (its shape is the caller's to check): bools as given,
+    numbers only when each is exactly 0 or 1 (LMCache users build masks with
+    ``torch.ones(n)`` and zero a prefix). Any other value, NaN included, is a ValueError
+    naming the first bad value and its index; a non-numeric type is a TypeError."""
+    m = _mask_array(mask)
+    if m.dtype == np.bool_:
+        return m
+    bad = (m != 0) & (m != 1)  # NaN compares unequal to both
+    if bad.any():
+        where = np.unravel_index(int(np.argmax(bad)), m.shape)
+        index = where[0] if len(where) == 1 else tuple(int(i) for i in where)
+        raise ValueError(f"mask: value {_number(m[where].item())} at index {index}; expected only 0 or 1 (or bools)")
+    return m != 0
+
+
+def mask_start(mask: MaskInput, n: int, chunk_size: int) -> int:
+    """Number of leading False entries of a False-prefix/True-suffix mask (validated).
+
+    ``None`` means all True. The mask is a tensor, array or sequence of shape ``(n,)``
+    holding bools, or numbers that are each exactly 0 or 1 (:func:`mask_bools`); its
+    False (0) prefix must be a multiple of ``chunk_size``.
     """
     if mask is None:
         return 0
-    if isinstance(mask, torch.Tensor):
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask: expected a bool tensor, got dtype {mask.dtype}")
-        m = mask.detach().to("cpu").numpy()
-    elif isinstance(mask, np.ndarray):
-        m = mask
-    elif isinstance(mask, Sequence) and not isinstance(mask, (str, bytes, bytearray)):
-        if not all(isinstance(v, (bool, np.bool_)) for v in mask):
-            raise TypeError("mask: expected a sequence of bools")
-        m = np.asarray(mask, dtype=bool)
-    else:
-        raise TypeError(f"mask: expected a bool tensor, array or sequence, got {type(mask).__name__}")
-    if m.dtype != np.bool_ and m.size:
-        raise TypeError(f"mask: expected bool values, got dtype {m.dtype}")
+    m = mask_bools(mask)
     if m.shape != (n,):
         raise ValueError(f"mask: expected shape ({n},) to match tokens, got {tuple(m.shape)}")
-    m = m.astype(bool, copy=False)
     num_false = int(n - np.count_nonzero(m))
     if num_false and m[:num_false].any() or not m[num_false:].all():
         raise ValueError("mask: expected a run of False followed only by True")
@@ -303,6 +336,110 @@ def mask_start(mask: MaskInput, n: int, chunk_size: int) -> int:
             f"mask: the False prefix has {num_false} tokens; expected a multiple of chunk_size={chunk_size}"
         )
     return num_false
+
+
+# ---------------------------------------------------------------------- LMCache 0.5.6 arguments
+TIER_NAMES = ("LocalCPUBackend", "LocalDiskBackend", "RemoteBackend")
+"""The tiers by the names LMCache 0.5.6 gives its backends, as ``search_range``,
+``location`` and ``locations`` take them (L1 CPU pool, L2 disk, L3 remote)."""
+
+LMCACHE_COPY_ARG_NAMES = ("req_id", "offset", "vllm_cached_tokens", "transfer_spec")
+"""Keyword arguments LMCache 0.5.6's vLLM adapter passes to ``store``/``retrieve``/
+``store_layer``/``retrieve_layer``, which LMCache hands to its connector or its logs.
+Accepted and type-checked here, not used (docs/migrating_from_lmcache.md says why)."""
+
+
+def tier_names(value: object, field: str = "search_range", valid: Sequence[str] = TIER_NAMES) -> frozenset[str] | None:
+    """The tier names ``value`` selects, validated; None selects every tier.
+
+    ``value`` is None, one name, or a list/tuple/set of names (LMCache's meaning: an
+    empty one selects every tier, like None). A name outside ``valid`` is a ValueError
+    listing the valid ones; a known tier that is not configured simply holds nothing.
+    """
+    if value is None:
+        return None
+    names: tuple[object, ...]
+    if isinstance(value, str):
+        names = (value,)
+    elif isinstance(value, (Sequence, set, frozenset)) and not isinstance(value, (bytes, bytearray)):
+        names = tuple(value)
+    else:
+        raise TypeError(f"{field}={_short(value)}: expected a backend name or a list of them ({', '.join(valid)})")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{field}: {_short(name)} is not a backend name (a str); valid: {', '.join(valid)}")
+        if name not in valid:
+            raise ValueError(f"{field}: unknown backend {name!r}; expected one of {', '.join(valid)}")
+    return frozenset(names) if names else None
+
+
+def _count(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{field}={_short(value)}: expected a non-negative int")
+    if value < 0:
+        raise ValueError(f"{field}={value}: expected a non-negative int")
+    return int(value)
+
+
+def check_lmcache_copy_args(kwargs: Mapping[str, Any]) -> None:
+    """Type-check the :data:`LMCACHE_COPY_ARG_NAMES` present in ``kwargs`` (then unused):
+    ``offset``/``vllm_cached_tokens`` non-negative ints, ``req_id`` a str or int;
+    ``transfer_spec`` (LMCache's disaggregated-prefill spec) may be anything."""
+    for field in ("offset", "vllm_cached_tokens"):
+        if kwargs.get(field) is not None:
+            _count(kwargs[field], field)
+    req_id = kwargs.get("req_id")
+    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (str, int))):
+        raise TypeError(f"req_id={_short(req_id)}: expected a str or int")
+
+
+def check_lookup_id(lookup_id: object) -> str | None:
+    """``lookup_id`` (LMCache: the request id a pinned lookup is released by) validated."""
+    if lookup_id is not None and (isinstance(lookup_id, bool) or not isinstance(lookup_id, (str, int))):
+        raise TypeError(f"lookup_id={_short(lookup_id)}: expected a str (a request id) or None")
+    return None if lookup_id is None else str(lookup_id)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHashes:
+    """Chunks named by the caller (LMCache's ``hashes`` with ``offsets``): chunk ``i``
+    covers the ``offsets[i]`` tokens after chunk ``i - 1`` and is identified by
+    ``hashes[i]`` (an int or bytes, e.g. a vLLM block hash: already chained by the
+    caller). :meth:`encode` is injective per chunk and folds in its length."""
+
+    hashes: tuple[int | bytes, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def build(cls, hashes: object, offsets: object) -> ChunkHashes:
+        """Validate raw ``hashes``/``offsets``. Raises TypeError/ValueError."""
+        if offsets is None:
+            raise ValueError("offsets: missing; hashes= needs offsets= (the number of tokens of each chunk)")
+        items = []
+        for field, value in (("hashes", hashes), ("offsets", offsets)):
+            if isinstance(value, (str, bytes, bytearray, torch.Tensor)) or not isinstance(value, Sequence):
+                raise TypeError(f"{field}={_short(value)}: expected a list with one entry per chunk")
+            items.append(tuple(value))
+        hs, offs = items
+        if len(hs) != len(offs):
+            raise ValueError(f"hashes/offsets: {len(hs)} hashes and {len(offs)} offsets; expected one offset per hash")
+        for i, h in enumerate(hs):
+            if isinstance(h, bool) or not isinstance(h, (int, bytes)):
+                raise TypeError(f"hashes[{i}]={_short(h)}: expected an int or bytes")
+        for i, off in enumerate(offs):
+            if _count(off, f"offsets[{i}]") == 0:
+                raise ValueError(f"offsets[{i}]=0: expected a positive number of tokens")
+        return cls(hs, tuple(int(o) for o in offs))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.offsets)
+
+    def encode(self, i: int) -> bytes:
+        """Tagged, length-prefixed bytes of chunk ``i``: its hash and its length."""
+        h = self.hashes[i]
+        body = b"b" + _lp(h) if isinstance(h, bytes) else b"i" + _lp(str(h).encode())
+        return body + struct.pack("<Q", self.offsets[i])
 
 
 # ---------------------------------------------------------------------- paged KV
@@ -445,6 +582,9 @@ class TransferRequest:
     mask_start: int
     extras: KeyExtras
     kv: PagedKV | None = None
+    spans: tuple[ChunkSpan, ...] | None = None
+    """The chunks of a request keyed by caller-supplied hashes (:class:`ChunkHashes`);
+    ``tokens`` is then a placeholder of the right length (zeros) and must not be hashed."""
 
     @property
     def num_tokens(self) -> int:

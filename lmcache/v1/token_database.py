@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lmcache.v1.keys import CacheEngineKey
-from lmcache.v1.request import KeyExtras, mask_start, native_hash_enabled, tokens_to_array
+from lmcache.v1.request import ChunkHashes, KeyExtras, mask_start, native_hash_enabled, tokens_to_array
 
 try:  # optional native module (setup.py); identical keys without it
     from lmcache import _keyhash as _native_keyhash
@@ -355,6 +355,31 @@ class ChunkedTokenDatabase:
         first_chunk = -(-first // c)
         keys = self._keys(digests, extras, first_chunk)
         return [_span(i * c, min(i * c + c, n), key) for i, key in enumerate(keys, first_chunk)]
+
+    def hashed_spans(self, chunks: ChunkHashes, first: int, extras: KeyExtras) -> list[ChunkSpan]:
+        """Spans of chunks named by the caller (LMCache's ``hashes``/``offsets``), from the
+        first one starting at or after token ``first`` (the mask's False prefix).
+
+        Key ``i`` is BLAKE2b-128 of the request seed (namespace and extras, as for
+        tokens) and ``chunks.encode(i)``, under its own personalisation, so no token
+        chunk and no other hash or length gives the same key."""
+        seed = self._seed(extras)
+        blake2b = hashlib.blake2b
+        digests = b"".join(
+            blake2b(seed + chunks.encode(i), digest_size=16, person=_HASHED_PERSON).digest()
+            for i in range(len(chunks.hashes))
+        )
+        spans = []
+        start = 0
+        for key, size in zip(self._keys(digests, extras, 0), chunks.offsets):
+            if start >= first:
+                spans.append(_span(start, start + size, key))
+            start += size
+        return spans
+
+
+_HASHED_PERSON = b"lmcache-hashes"
+"""BLAKE2b personalisation of caller-hashed chunk keys (token chunk keys use none)."""
 
 
 def _lp(data: bytes) -> bytes:

@@ -225,6 +225,7 @@ def _mutate(kind: str, g: Geometry, tokens, mask, kw: dict):
             mask[n - 1] = False
         elif kind == "mask_float":
             mask = torch.ones(n)
+            mask[n // 2] = 0.5  # a float mask is valid only when every value is 0 or 1
         else:
             mask = torch.ones(n, dtype=torch.bool)
             mask[:1] = False  # 1 is never a multiple of chunk_size (>= 2)

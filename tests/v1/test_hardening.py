@@ -257,12 +257,14 @@ def test_hidden_state_store_validates_extras():
     engine.close()
 
 
-def test_mask_must_be_bool_and_prefix_shaped():
+def test_mask_must_be_zero_one_and_prefix_shaped():
     spec = KVSpec(num_blocks=8, block_size=8)
     engine = make_engine(spec)
     kv, slots = random_kv_caches(spec), random_slot_mapping(spec, 32)
     with pytest.raises(TypeError, match="mask"):
-        engine.store(list(range(32)), torch.ones(32), kvcaches=kv, slot_mapping=slots)
+        engine.store(list(range(32)), torch.ones(32, dtype=torch.complex64), kvcaches=kv, slot_mapping=slots)
+    with pytest.raises(ValueError, match="mask: value 2"):
+        engine.store(list(range(32)), torch.full((32,), 2.0), kvcaches=kv, slot_mapping=slots)
     with pytest.raises(ValueError, match="mask"):
         engine.store(list(range(32)), torch.ones(31, dtype=torch.bool), kvcaches=kv, slot_mapping=slots)
     bad = torch.ones(32, dtype=torch.bool)
