@@ -204,10 +204,11 @@ class BlockReuse:
             return []
         return self.token_database.block_digests(chunk_tokens[:usable], prev, self.block_size)
 
-    def best(self, hashes: Sequence[int]) -> BlockHit | None:
-        """The longest indexed prefix whose entry is still cached (any tier), or None."""
+    def best(self, hashes: Sequence[int], search_range: frozenset[str] | None = None) -> BlockHit | None:
+        """The longest indexed prefix whose entry is still cached (any tier, or one of the
+        tiers named by ``search_range``), or None."""
         for hit in self.index.candidates(hashes):
-            if self.storage_manager.contains(hit.key):
+            if self.storage_manager.contains(hit.key, search_range) is not None:
                 return hit
         return None
 

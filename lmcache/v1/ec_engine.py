@@ -163,7 +163,7 @@ class ECCacheEngine:
         """Whether some tier holds ``mm_hash``. Reads no payload, takes no reference."""
         key = self.key(mm_hash)
         try:
-            found = self.storage_manager.contains(key)
+            found = self.storage_manager.contains(key) is not None
         except _ERRORS as exc:
             self._warn_error("contains", exc)
             found = False

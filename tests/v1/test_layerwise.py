@@ -269,7 +269,7 @@ def test_store_publishes_each_layer_one_call_after_its_copy(kernels):
     for call in range(spec.num_layers + 1):
         next(gen, None)
         for layer in range(spec.num_layers):
-            present = [sm.contains(k) for k in keys[layer]]
+            present = [sm.contains(k) is not None for k in keys[layer]]
             published = layer < call or call == spec.num_layers
             assert present == [published] * 3, (call, layer, present)
         # lookup agrees with storage order: the request is a miss until every layer is in

@@ -55,6 +55,8 @@ class StorageBackend(ABC):
     """
 
     name: str = "backend"
+    """The tier's name, as LMCache 0.5.6 spells it (``LocalCPUBackend``, ``LocalDiskBackend``,
+    ``RemoteBackend``): what ``search_range``/``location`` select and ``contains`` returns."""
     tier: str = "other"
     """Tier label in stats, metrics and logs: "cpu", "disk" or "remote"."""
     listener: Callable[[str, str, list[CacheEngineKey]], None] | None = None

@@ -25,6 +25,7 @@ from lmcache.errors import resolved
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation, pool_bytes
+from lmcache.v1.request import TIER_NAMES, tier_names
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend
 from lmcache.v1.storage_backend.cache_policy import make_policy
@@ -97,10 +98,49 @@ class StorageManager:
         """All tiers, L1 first."""
         return [self.local_cpu, *self.lower]
 
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The names ``search_range``/``location``/``locations`` accept: LMCache's
+        (:data:`~lmcache.v1.request.TIER_NAMES`) and any other configured tier's."""
+        extra = tuple(b.name for b in self.lower if b.name not in TIER_NAMES)
+        return TIER_NAMES + extra
+
+    def select(self, names: object, field: str = "search_range") -> list[StorageBackend]:
+        """The configured tiers among ``names`` (validated by :func:`~lmcache.v1.request.tier_names`;
+        None or empty: every tier), L1 first."""
+        if names is None:
+            return self.backends
+        chosen = tier_names(names, field, self.tier_names)
+        if chosen is None:
+            return self.backends
+        return [b for b in self.backends if b.name in chosen]
+
+    def _location(self, location: object) -> StorageBackend | None:
+        """The one tier LMCache's ``location`` names (None: it is not configured here)."""
+        if isinstance(location, (list, tuple, set, frozenset)):
+            raise TypeError(f"location={location!r}: expected one backend name ({', '.join(self.tier_names)})")
+        found = self.select(location, "location")
+        return found[0] if found else None
+
     # ------------------------------------------------------------------ allocation
-    def allocate(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """A pool object (ref 1, caller owns it), evicting from L1 as needed; None if full."""
-        return self.local_cpu.allocate(shape, dtype, fmt)
+    def allocate(
+        self,
+        shapes: tuple[int, ...] | torch.Size,
+        dtypes: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+        eviction: bool = True,
+        busy_loop: bool = True,
+    ) -> MemoryObj | None:
+        """A pool object of shape ``shapes`` and dtype ``dtypes`` (ref 1, caller owns it),
+        evicting from L1 as needed (``eviction=False``: from free pool memory only);
+        None if full. LMCache 0.5.6's signature: one shape and one dtype (its list form
+        for several layer groups is not supported); ``busy_loop`` is accepted and has no
+        effect (a full pool is never waited on: the caller skips the store)."""
+        if isinstance(dtypes, list) or (isinstance(shapes, list) and shapes and not isinstance(shapes[0], int)):
+            raise TypeError("shapes/dtypes: expected one shape and one dtype (lists of them are not supported)")
+        if not eviction:
+            return self.allocator.allocate(shapes, dtypes, fmt)
+        return self.local_cpu.allocate(shapes, dtypes, fmt)
 
     def reserve(
         self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, fmt: MemoryFormat, count: int
@@ -145,7 +185,15 @@ class StorageManager:
         return self.local_cpu.resident_flags(keys)
 
     # ------------------------------------------------------------------ writes
-    def batched_put(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj], *, give: bool = False) -> None:
+    def batched_put(
+        self,
+        keys: Sequence[CacheEngineKey],
+        memory_objs: Sequence[MemoryObj],
+        transfer_spec: object = None,
+        location: str | None = None,
+        *,
+        give: bool = False,
+    ) -> None:
         """Store objects in L1 and submit them to the lower tiers.
 
         Each tier gets the whole sequence (``batched_submit_put``, keys head first) and
@@ -157,8 +205,16 @@ class StorageManager:
         instead (:meth:`LocalCPUBackend.admit_sequence`): the caller must not use or
         release the objects after the call. The lower tiers take theirs first, so L1
         evicting an object at once cannot free it under them.
+
+        LMCache 0.5.6's keywords: ``location`` puts into that one tier only (a tier name,
+        see :attr:`tier_names`; one that is not configured stores nothing);
+        ``transfer_spec`` (its disaggregated-prefill target) is accepted and ignored.
         """
+        objs = memory_objs
         assert len(keys) == len(objs)
+        if location is not None:
+            self._put_at(location, keys, objs, give)
+            return
         if not give:
             for backend in self.backends:
                 backend.batched_submit_put(keys, objs)
@@ -167,12 +223,25 @@ class StorageManager:
             backend.batched_submit_put(keys, objs)
         self.local_cpu.admit_sequence(keys, objs, give=True)
 
-    def put(self, key: CacheEngineKey, obj: MemoryObj) -> None:
-        self.batched_put([key], [obj])
+    def _put_at(self, location: str, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj], give: bool) -> None:
+        """:meth:`batched_put` into the one tier ``location`` names."""
+        target = self._location(location)
+        if target is not None:
+            target.batched_submit_put(keys, objs)
+        if give:  # the tier took its own references; drop the caller's (once per object)
+            for obj in {id(o): o for o in objs}.values():
+                obj.ref_count_down()
+
+    def put(self, key: CacheEngineKey, memory_obj: MemoryObj, location: str | None = None) -> None:
+        """:meth:`batched_put` of one object (the caller keeps its reference)."""
+        self.batched_put([key], [memory_obj], location=location)
 
     # ------------------------------------------------------------------ reads
-    def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        """The object (caller owns one reference) or None; lower-tier hits are promoted."""
+    def get(self, key: CacheEngineKey, location: str | None = None) -> MemoryObj | None:
+        """The object (caller owns one reference) or None; lower-tier hits are promoted.
+        ``location`` (LMCache's keyword, a tier name) reads that tier only."""
+        if location is not None:
+            return self._read_at(self._location(location), [key])[0]
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
             return obj
@@ -184,7 +253,7 @@ class StorageManager:
         return None
 
     def batched_get(
-        self, keys: Sequence[CacheEngineKey], *, sources: list[str] | None = None
+        self, keys: Sequence[CacheEngineKey], location: str | None = None, *, sources: list[str] | None = None
     ) -> list[MemoryObj | None]:
         """Objects for a prefix of ``keys``; entries after the first miss are None.
 
@@ -193,8 +262,11 @@ class StorageManager:
         L1 then sees the whole result once: hits are touched and lower-tier hits
         promoted, from the tail to the head so the head stays most recent. If
         ``sources`` is given, the tier (``StorageBackend.tier``: "cpu", "disk",
-        "remote") of each returned object is appended to it, in order.
+        "remote") of each returned object is appended to it, in order. ``location``
+        (LMCache's keyword, a tier name) reads that one tier only.
         """
+        if location is not None:
+            return self._read_at(self._location(location), keys, sources)
         out: list[MemoryObj | None] = list(self.local_cpu.get_prefix(keys))
         n_l1 = len(out)
         holders: list[list[str]] = [[] for _ in keys[n_l1:]]
@@ -206,11 +278,32 @@ class StorageManager:
             sources.extend(h[0] if h else "unknown" for h, o in zip(holders, out[n_l1:]) if o is not None)
         return out
 
-    def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
+    def get_non_blocking(self, key: CacheEngineKey, location: str | None = None) -> Future[MemoryObj | None]:
         """Future of :meth:`get`. Lower tiers are asked in order with their own
         non-blocking read (a miss is the read's answer: no separate existence round
-        trip); a hit is promoted into L1."""
+        trip); a hit is promoted into L1. With ``location`` (a tier name) the one tier
+        is read before returning (a resolved future)."""
+        if location is not None:
+            return resolved(self.get(key, location))
         return self._get_non_blocking(key, None)
+
+    def _read_at(
+        self, backend: StorageBackend | None, keys: Sequence[CacheEngineKey], sources: list[str] | None = None
+    ) -> list[MemoryObj | None]:
+        """Objects of a prefix of ``keys`` from ``backend`` only (None from the first miss
+        on; None backend: all misses), one reference each for the caller; lower-tier hits
+        are promoted into L1 and every hit is touched there, tail to head. ``sources``
+        receives the tier of each hit."""
+        hits: list[MemoryObj] = []
+        if backend is self.local_cpu:
+            hits = self.local_cpu.get_prefix(keys, touch=True)
+        elif backend is not None:
+            got = _gather_prefix([backend.get_non_blocking(k) for k in keys]).result()
+            hits = [o for o in got if o is not None]
+            self.local_cpu.admit_sequence(keys[: len(hits)], hits)
+        if sources is not None and backend is not None:
+            sources.extend(backend.tier for _ in hits)
+        return [*hits, *([None] * (len(keys) - len(hits)))]
 
     def _get_non_blocking(self, key: CacheEngineKey, source: list[str] | None) -> Future[MemoryObj | None]:
         """:meth:`get_non_blocking`; a hit appends its tier name to ``source``."""
@@ -252,19 +345,35 @@ class StorageManager:
         self.lower[tier].get_non_blocking(key).add_done_callback(_done_reading)
 
     def layerwise_batched_get(
-        self, keys_per_layer: Sequence[Sequence[CacheEngineKey]], *, sources: list[list[str]] | None = None
+        self,
+        keys: Sequence[Sequence[CacheEngineKey]],
+        location: str | None = None,
+        *,
+        sources: list[list[str]] | None = None,
     ) -> Iterator[Future]:
-        """Yield one Future per layer; its result is the list of that layer's objects.
+        """Yield one Future per layer of ``keys`` (``keys[layer][chunk]``); its result is the
+        list of that layer's objects.
 
         Each list holds objects (one reference each, owned by the caller) for a prefix of
         the layer's keys and None from the first miss on. Layer ``i+1``'s reads are
         started only when the consumer asks for the next future, so layer ``i`` is
         available as early as possible. ``sources`` (optional) receives one list per key
         of the first layer; once that layer's future is done, a hit's list holds its
-        tier name.
+        tier name. ``location`` (LMCache's keyword, a tier name) reads each layer from
+        that one tier, when its future is asked for.
         """
-        for layer, keys in enumerate(keys_per_layer):
-            yield self.layer_batched_get(keys, sources=sources if layer == 0 else None)
+        if location is not None:
+            backend = self._location(location)
+            for layer, layer_keys in enumerate(keys):
+                found: list[str] = []
+                objs = self._read_at(backend, layer_keys, found)
+                if sources is not None and layer == 0:
+                    sources.extend([tier] for tier in found)
+                    sources.extend([] for _ in range(len(layer_keys) - len(found)))
+                yield resolved(objs)
+            return
+        for layer, layer_keys in enumerate(keys):
+            yield self.layer_batched_get(layer_keys, sources=sources if layer == 0 else None)
 
     def layer_batched_get(
         self,
@@ -298,48 +407,72 @@ class StorageManager:
         return _gather_prefix(futures)
 
     # ------------------------------------------------------------------ lookups
-    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        return any(b.contains(key, pin and b is self.local_cpu) for b in self.backends)
+    def contains(self, key: CacheEngineKey, search_range: object = None, pin: bool = False) -> str | None:
+        """The name of the first tier (L1 first) that holds ``key``, else None (LMCache
+        0.5.6's meaning). ``search_range``: the tier names to ask (see :attr:`tier_names`;
+        None: all); ``pin`` pins an L1 hit until :meth:`unpin`."""
+        for backend in self.select(search_range):
+            if backend.contains(key, pin and backend is self.local_cpu):
+                return backend.name
+        return None
 
     def batched_contains(
-        self, keys: Sequence[CacheEngineKey], pin: bool = False, *, num_layers: int | None = None
+        self,
+        keys: Sequence[CacheEngineKey],
+        search_range: object = None,
+        pin: bool = False,
+        *,
+        num_layers: int | None = None,
     ) -> int:
         """Number of leading keys present in some tier (pinning the L1 ones if asked).
 
-        With ``num_layers`` the keys are chunk keys of a layerwise engine: a chunk counts
-        only when all its ``num_layers`` layer keys are present (see
-        :meth:`batched_lookup`). One batched call per tier and layer, never one per key.
+        ``search_range``: the tier names to ask (None: all). With ``num_layers`` the keys
+        are chunk keys of a layerwise engine: a chunk counts only when all its
+        ``num_layers`` layer keys are present (see :meth:`batched_lookup`). One batched
+        call per tier and layer, never one per key. (LMCache 0.5.6 returns the count
+        with a tier -> keys mapping; this returns the count.)
         """
-        if num_layers is None:
-            return self.batched_lookup([keys], pin).hits
-        return self.batched_lookup(split_per_layer(keys, num_layers), pin).hits
+        per_layer = [keys] if num_layers is None else split_per_layer(keys, num_layers)
+        return self.batched_lookup(per_layer, pin, search_range=search_range).hits
 
-    def batched_lookup(self, keys_per_layer: Sequence[Sequence[CacheEngineKey]], pin: bool = False) -> LookupResult:
+    def batched_lookup(
+        self, keys_per_layer: Sequence[Sequence[CacheEngineKey]], pin: bool = False, *, search_range: object = None
+    ) -> LookupResult:
         """The leading chunks present for every layer (``keys_per_layer[layer][chunk]``;
         one inner list for a bulk engine), pinning the L1 entries found if asked.
 
         Per layer, L1 answers first (in memory) and only the rest goes to the lower
         tiers, as one batched call each; a layer only asks about the chunks the layers
         before it had. The pinned keys are returned for :meth:`batched_unpin`.
+        ``search_range`` limits the tiers asked (tier names; None: all).
         """
+        tiers = self.backends if search_range is None else self.select(search_range)
         found = len(keys_per_layer[0]) if keys_per_layer else 0
         pinned: list[CacheEngineKey] = []
         for layer in range(len(keys_per_layer)):
             if not found:
                 break
             candidates = keys_per_layer[layer][:found]  # a layer's keys are only made when asked for
-            hit = self.local_cpu.batched_contains(candidates, pin)
-            if pin:
-                pinned.extend(candidates[:hit])
-            for backend in self.lower:
+            hit = 0
+            for backend in tiers:
                 if hit == found:
                     break
-                hit += backend.batched_contains(candidates[hit:])
+                if backend is self.local_cpu:
+                    hit = self.local_cpu.batched_contains(candidates, pin)
+                    if pin:
+                        pinned.extend(candidates[:hit])
+                else:
+                    hit += backend.batched_contains(candidates[hit:])
             found = hit
         return LookupResult(found, tuple(pinned))
 
-    def batched_unpin(self, keys: Sequence[CacheEngineKey], *, num_layers: int | None = None) -> None:
-        """Undo one pin of each of ``keys`` (with ``num_layers``: of every layer key of each chunk)."""
+    def batched_unpin(
+        self, keys: Sequence[CacheEngineKey], locations: object = None, *, num_layers: int | None = None
+    ) -> None:
+        """Undo one pin of each of ``keys`` (with ``num_layers``: of every layer key of each
+        chunk). Only L1 pins; ``locations`` (tier names) without L1 unpins nothing."""
+        if self.local_cpu not in self.select(locations, "locations"):
+            return
         if num_layers is not None:
             keys = [k for layer_list in split_per_layer(keys, num_layers) for k in layer_list]
         self.local_cpu.batched_unpin(keys)
@@ -378,9 +511,9 @@ class StorageManager:
     def unpin(self, key: CacheEngineKey) -> bool:
         return self.local_cpu.unpin(key)
 
-    def remove(self, key: CacheEngineKey) -> bool:
-        """Remove from every tier; True if any had it."""
-        return any([b.remove(key) for b in self.backends])
+    def remove(self, key: CacheEngineKey, locations: object = None) -> bool:
+        """Remove from every tier (``locations``: from the named tiers only); True if any had it."""
+        return any([b.remove(key) for b in self.select(locations, "locations")])
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the lower tiers' pending writes; True if all finished."""
