@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
 from lmcache.errors import LogOnce
@@ -26,10 +29,16 @@ from lmcache.v1.registry import Registry
 from lmcache.v1.request import (
     COPY_ARG_NAMES,
     KEY_EXTRA_NAMES,
+    LMCACHE_COPY_ARG_NAMES,
+    ChunkHashes,
     KeyExtras,
+    MaskInput,
     TransferRequest,
+    check_lmcache_copy_args,
+    check_lookup_id,
     mask_start,
     reject_unknown,
+    tier_names,
     tokens_to_array,
 )
 from lmcache.v1.stats import CacheStats
@@ -40,8 +49,44 @@ from lmcache.v1.transfer import BulkTransfer, TransferContext, TransferPath
 logger = logging.getLogger(__name__)
 
 _KEY_ARGS = KEY_EXTRA_NAMES
-_COPY_ARGS = KEY_EXTRA_NAMES + COPY_ARG_NAMES
+_LOOKUP_ARGS = tuple(n for n in KEY_EXTRA_NAMES if n != "request_configs")  # a named parameter of lookup
+_COPY_ARGS = KEY_EXTRA_NAMES + COPY_ARG_NAMES + LMCACHE_COPY_ARG_NAMES
 _LAYER_ARGS = _COPY_ARGS + ("sync",)
+
+
+def _chunk_hashes(where: str, tokens: object, hashes: object, offsets: object) -> ChunkHashes | None:
+    """LMCache's ``hashes``/``offsets`` validated (None when absent). ``tokens``, when
+    given, name the chunks instead (as in LMCache); one of the two is required."""
+    if hashes is None:
+        if tokens is None:
+            alt = " (or hashes= with offsets=)" if where in ("store", "lookup") else ""
+            raise ValueError(f"tokens: missing; {where}() needs the token ids{alt}")
+        return None
+    return ChunkHashes.build(hashes, offsets)
+
+
+@dataclasses.dataclass(slots=True)
+class LookupPins:
+    """Storage keys pinned by ``lookup(..., lookup_id=..., pin=True)``, by lookup id, until
+    ``lookup_unpin(lookup_id)`` (LMCache 0.5.6's pairing). A lookup repeated under one id
+    adds to its pins. Thread-safe: lookups run on the scheduler thread, unpins on the
+    worker's."""
+
+    _keys: dict[str, list[CacheEngineKey]] = dataclasses.field(default_factory=dict)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def add(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
+        with self._lock:
+            self._keys.setdefault(lookup_id, []).extend(keys)
+
+    def pop(self, lookup_id: str) -> list[CacheEngineKey]:
+        """The keys pinned under ``lookup_id`` (forgotten here); [] for an unknown id."""
+        with self._lock:
+            return self._keys.pop(lookup_id, [])
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
 
 
 def make_transfer_path(config: LMCacheEngineConfig, ctx: TransferContext) -> TransferPath:
@@ -55,11 +100,14 @@ class LMCacheEngine:
     Thread-safety: ``lookup``/``lookup_unpin`` may run on a scheduler thread while
     ``store``/``retrieve`` run on the worker thread; tiers are thread-safe.
 
-    Keyword arguments of ``store``/``retrieve``: ``kvcaches`` (list of per-layer
-    tensors, default: the connector's registered ones) and ``slot_mapping`` (1-D
-    int32/int64 tensor, one slot per token; negative = no slot) go to the GPU
-    connector; ``cache_salt``, ``request_configs`` and ``extra_keys`` are folded into
-    the chunk keys (the only keyword arguments of ``lookup``/``lookup_unpin``/``keys``).
+    Keyword arguments of ``store``/``retrieve`` (and the layerwise calls): ``kvcaches``
+    (list of per-layer tensors, default: the connector's registered ones),
+    ``slot_mapping`` (1-D int32/int64 tensor, one slot per token; negative = no slot)
+    and (layerwise calls only) ``sync`` go to the GPU connector; ``cache_salt``, ``request_configs`` and
+    ``extra_keys`` are folded into the chunk keys (the only keyword arguments of
+    ``keys``/``lookup_unpin(tokens)``); LMCache 0.5.6's ``req_id``, ``offset``,
+    ``vllm_cached_tokens`` and ``transfer_spec`` are accepted and unused. Every keyword
+    LMCache 0.5.6's methods take is taken here (docs/migrating_from_lmcache.md).
     Every public method validates its arguments once, into a
     :class:`~lmcache.v1.request.TransferRequest`, and raises TypeError/ValueError on bad
     input (unknown keyword arguments included) before touching any tier.
@@ -91,6 +139,7 @@ class LMCacheEngine:
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
         not timed: their generators span the model's forward pass)."""
         self.hidden_state_store = self._make_hidden_state_store()
+        self._pins = LookupPins()
         self._closed = False
 
     @property
@@ -115,26 +164,52 @@ class LMCacheEngine:
         return TransferRequest(tokens_to_array(tokens), 0, KeyExtras.from_kwargs(kwargs))
 
     def _copy_request(
-        self, where: str, tokens: TokenInput, mask: object, kwargs: dict[str, Any], allowed: tuple[str, ...]
+        self,
+        where: str,
+        tokens: TokenInput | None,
+        mask: object,
+        kwargs: dict[str, Any],
+        allowed: tuple[str, ...] = _COPY_ARGS,
+        hashes: object = None,
+        offsets: object = None,
     ) -> TransferRequest:
-        """Validate a store/retrieve call once: tokens, mask, extras, KV tensors and slots."""
+        """Validate a store/retrieve call once: tokens (or chunk hashes), mask, extras, KV
+        tensors and slots, and the LMCache arguments that are accepted and unused."""
         reject_unknown(kwargs, allowed, where)
-        arr = tokens_to_array(tokens)
-        first = mask_start(mask, arr.shape[0], self.token_database.chunk_size)
+        check_lmcache_copy_args(kwargs)
         extras = KeyExtras.from_kwargs(kwargs)
+        chunks = _chunk_hashes(where, tokens, hashes, offsets)
+        slot_mapping = kwargs.get("slot_mapping")
+        if tokens is not None:
+            arr = tokens_to_array(tokens)
+        else:
+            assert chunks is not None
+            arr = np.broadcast_to(np.int32(0), (chunks.num_tokens,))  # placeholder: the chunks are named by hashes
+            if isinstance(slot_mapping, list):  # LMCache takes a list of slots with hashes
+                slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64)
+        n = arr.shape[0]
+        first = mask_start(mask, n, self.token_database.chunk_size)
+        spans = None
+        if tokens is None and chunks is not None:
+            spans = tuple(self.token_database.hashed_spans(chunks, first, extras))
         kv = self._ctx.require_connector().bind(
-            arr.shape[0],
-            kvcaches=kwargs.get("kvcaches"),
-            slot_mapping=kwargs.get("slot_mapping"),
-            sync=kwargs.get("sync", True),
+            n, kvcaches=kwargs.get("kvcaches"), slot_mapping=slot_mapping, sync=kwargs.get("sync", True)
         )
-        return TransferRequest(arr, first, extras, kv)
+        return TransferRequest(arr, first, extras, kv, spans)
 
     def _spans(self, req: TransferRequest) -> list[ChunkSpan]:
         return self._ctx.spans(req)
 
     # ------------------------------------------------------------------ store / retrieve
-    def store(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> int:
+    def store(
+        self,
+        tokens: TokenInput | None = None,
+        mask: MaskInput = None,
+        *,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> int:
         """Copy the KV of ``tokens`` (where ``mask`` is True) into the cache.
 
         The already-cached prefix of chunks is skipped; chunks containing a negative slot are not
@@ -143,27 +218,63 @@ class LMCacheEngine:
         counted (``stats.store_skipped_chunks``); this is not an error.
         Returns the number of tokens newly stored. The engine keeps no reference to
         the caller's tensors.
-        """
-        return self.transfer.store(self._copy_request("store", tokens, mask, kwargs, _COPY_ARGS))
 
-    def retrieve(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        ``mask``: bools, or numbers that are each exactly 0 or 1. LMCache's
+        ``hashes``/``offsets`` name the chunks instead of ``tokens`` (``hashes[i]``, an
+        int or bytes, covers the next ``offsets[i]`` tokens; found again by
+        ``lookup(hashes=..., offsets=...)``); with ``tokens`` they are checked and unused,
+        as in LMCache. ``req_id``, ``offset``, ``vllm_cached_tokens`` and
+        ``transfer_spec`` are accepted and unused (docs/migrating_from_lmcache.md).
+        """
+        return self.transfer.store(self._copy_request("store", tokens, mask, kwargs, hashes=hashes, offsets=offsets))
+
+    def retrieve(self, tokens: TokenInput, mask: MaskInput = None, **kwargs: Any) -> torch.Tensor:
         """Write cached KV for the longest cached prefix of ``tokens`` into the paged cache.
 
         Returns a CPU bool tensor, True where KV was written back: tokens of the
         retrieved chunks that have a slot (a token whose slot is negative gets nothing
-        and stays False). Chunks where ``mask`` is False are neither read nor written.
+        and stays False). Chunks where ``mask`` is False (0) are neither read nor written.
+        Keyword arguments as in :meth:`store`.
         """
-        return self.transfer.retrieve(self._copy_request("retrieve", tokens, mask, kwargs, _COPY_ARGS))
+        return self.transfer.retrieve(self._copy_request("retrieve", tokens, mask, kwargs))
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, tokens: TokenInput, pin: bool = False, **kwargs: Any) -> int:
+    def lookup(
+        self,
+        tokens: TokenInput | None = None,
+        hashes: Sequence[int | bytes] | None = None,
+        offsets: Sequence[int] | None = None,
+        search_range: Sequence[str] | str | None = None,
+        lookup_id: str | None = None,
+        pin: bool = False,
+        request_configs: Mapping[str, object] | None = None,
+        **kwargs: Any,
+    ) -> int:
         """Number of leading tokens whose KV is cached: whole chunks, then (block-granular
         reuse, when the metadata names a block size) whole blocks of the next chunk, or a
         cached partial last chunk. ``pin=True`` keeps the L1 entries of the whole chunks
-        from eviction until :meth:`lookup_unpin` (and reports whole chunks only)."""
+        from eviction until :meth:`lookup_unpin` (and reports whole chunks only).
+
+        LMCache 0.5.6's signature. ``search_range``: the tiers to ask, by LMCache's names
+        (``LocalCPUBackend``, ``LocalDiskBackend``, ``RemoteBackend``; None: all; an
+        unknown name is a ValueError listing the valid ones). ``lookup_id``: with
+        ``pin``, the id :meth:`lookup_unpin` releases the pins by. ``hashes``/``offsets``
+        instead of ``tokens``: chunks named as in :meth:`store` (the count is the tokens of
+        the leading chunks found). ``request_configs``, ``cache_salt`` and ``extra_keys``
+        are folded into the keys, as for a store.
+        """
         if not isinstance(pin, bool):
             raise TypeError(f"pin={pin!r}: expected a bool")
-        return self.lookup_prefix(self.prefix_keys(tokens, **kwargs), pin=pin)
+        tiers = self._tiers(search_range)
+        lid = check_lookup_id(lookup_id)
+        reject_unknown(kwargs, _LOOKUP_ARGS, "lookup")
+        if request_configs is not None:
+            kwargs["request_configs"] = request_configs
+        chunks = _chunk_hashes("lookup", tokens, hashes, offsets)
+        if tokens is None:
+            assert chunks is not None
+            return self._lookup_hashes(chunks, KeyExtras.from_kwargs(kwargs), pin, tiers, lid)
+        return self._lookup_prefix(self.prefix_keys(tokens, **kwargs), pin, tiers, lid)
 
     def prefix_keys(self, tokens: TokenInput, **kwargs: Any) -> PrefixKeys:
         """The chunk keys :meth:`lookup` probes for ``tokens`` (key extras as in lookup).
@@ -174,23 +285,63 @@ class LMCacheEngine:
         reject_unknown(kwargs, _KEY_ARGS, "lookup")
         return self.token_database.prefix_keys(tokens, KeyExtras.from_kwargs(kwargs))
 
-    def lookup_prefix(self, pk: PrefixKeys, pin: bool = False) -> int:
+    def lookup_prefix(
+        self,
+        pk: PrefixKeys,
+        pin: bool = False,
+        *,
+        search_range: Sequence[str] | str | None = None,
+        lookup_id: str | None = None,
+    ) -> int:
         """:meth:`lookup` for keys from :meth:`prefix_keys` of this engine."""
         if not isinstance(pin, bool):
             raise TypeError(f"pin={pin!r}: expected a bool")
         if not isinstance(pk, PrefixKeys) or pk.chunk_size != self.token_database.chunk_size:
             raise TypeError(f"pk={type(pk).__name__}: expected PrefixKeys from this engine's prefix_keys")
+        tiers = self._tiers(search_range)
+        return self._lookup_prefix(pk, pin, tiers, check_lookup_id(lookup_id))
+
+    def _tiers(self, search_range: object) -> frozenset[str] | None:
+        """``search_range`` validated against the storage manager's tier names (None: all)."""
+        if search_range is None:
+            return None
+        return tier_names(search_range, "search_range", self.storage_manager.tier_names)
+
+    def _lookup_prefix(self, pk: PrefixKeys, pin: bool, tiers: frozenset[str] | None, lookup_id: str | None) -> int:
         t0 = time.perf_counter()
-        found = self.transfer.lookup(pk.keys, pin)
+        found = self._probe(pk.keys, pin, tiers, lookup_id)
         hit = pk.end(found)
         if not pin and hit < pk.num_tokens and self._ctx.blocks is not None:
-            hit += self._block_extension(pk, found)
-        self.stats.add(lookup_requests=1, lookup_tokens=pk.num_tokens, lookup_hit_tokens=hit)
-        self.latency["lookup"].observe(time.perf_counter() - t0)
-        logger.debug("lmcache lookup: %d of %d tokens cached", hit, pk.num_tokens)
+            hit += self._block_extension(pk, found, tiers)
+        self._count_lookup(pk.num_tokens, hit, t0)
         return hit
 
-    def _block_extension(self, pk: PrefixKeys, found: int) -> int:
+    def _lookup_hashes(
+        self, chunks: ChunkHashes, extras: KeyExtras, pin: bool, tiers: frozenset[str] | None, lookup_id: str | None
+    ) -> int:
+        t0 = time.perf_counter()
+        spans = self.token_database.hashed_spans(chunks, 0, extras)
+        found = self._probe([s.key for s in spans], pin, tiers, lookup_id)
+        hit = spans[found - 1].end if found else 0
+        self._count_lookup(chunks.num_tokens, hit, t0)
+        return hit
+
+    def _probe(
+        self, keys: Sequence[CacheEngineKey], pin: bool, tiers: frozenset[str] | None, lookup_id: str | None
+    ) -> int:
+        """Leading chunk keys present (in ``tiers``); the pins of a ``lookup_id`` are kept
+        for :meth:`lookup_unpin`."""
+        res = self.transfer.lookup(keys, pin, tiers)
+        if lookup_id is not None and res.pinned:
+            self._pins.add(lookup_id, res.pinned)
+        return res.hits
+
+    def _count_lookup(self, num_tokens: int, hit: int, t0: float) -> None:
+        self.stats.add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit)
+        self.latency["lookup"].observe(time.perf_counter() - t0)
+        logger.debug("lmcache lookup: %d of %d tokens cached", hit, num_tokens)
+
+    def _block_extension(self, pk: PrefixKeys, found: int, tiers: frozenset[str] | None = None) -> int:
         """Cached tokens of chunk ``found`` (the first that missed) at block granularity."""
         blocks = self._ctx.blocks
         assert blocks is not None
@@ -203,28 +354,47 @@ class LMCacheEngine:
             prev = pk.keys[found - 1] if found else None
             hashes = blocks.prefix_hashes(chunk, blocks.prev_digest(chunk, pk.extras, 0, prev))
             pk.block_hashes[found] = hashes
-        hit = blocks.best(hashes)
+        hit = blocks.best(hashes, tiers)
         return hit.num_tokens if hit is not None else 0
 
-    def lookup_unpin(self, tokens: TokenInput, **kwargs: Any) -> None:
-        """Undo the pins of a ``lookup(tokens, pin=True)`` with the same key extras."""
-        spans = self._spans(self._key_request("lookup_unpin", tokens, kwargs))
+    def lookup_unpin(
+        self, lookup_id: str | TokenInput | None = None, tokens: TokenInput | None = None, **kwargs: Any
+    ) -> None:
+        """Undo the pins of a pinned lookup.
+
+        LMCache 0.5.6's form ``lookup_unpin(lookup_id)`` releases every pin taken by
+        ``lookup(..., lookup_id=lookup_id, pin=True)`` (an unknown id does nothing). The
+        older form ``lookup_unpin(tokens, **key_extras)`` undoes ``lookup(tokens,
+        pin=True)`` with the same key extras.
+        """
+        if tokens is None and (lookup_id is None or isinstance(lookup_id, (str, int))):
+            reject_unknown(kwargs, (), "lookup_unpin")
+            lid = check_lookup_id(lookup_id)
+            if lid is None:
+                raise TypeError("lookup_unpin(): expected a lookup_id (or the tokens of a pinned lookup)")
+            pinned = self._pins.pop(lid)
+            if pinned:
+                self.storage_manager.batched_unpin(pinned)
+            return
+        if tokens is not None and lookup_id is not None:
+            raise TypeError("lookup_unpin(): expected a lookup_id or tokens, not both")
+        spans = self._spans(self._key_request("lookup_unpin", tokens if tokens is not None else lookup_id, kwargs))
         self.transfer.unpin([s.key for s in spans])
 
     # ------------------------------------------------------------------ layerwise
-    def store_layer(self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any) -> Iterator[None]:
+    def store_layer(self, tokens: TokenInput, mask: MaskInput = None, **kwargs: Any) -> Iterator[None]:
         """Layerwise store generator (num_layers + 1 ``next()`` calls); see :mod:`lmcache.v1.layerwise`.
 
-        Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise)."""
+        Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise).
+        Mask and keyword arguments as in :meth:`store`."""
         self.transfer.check_layer_calls()
         return self.transfer.store_layer(self._copy_request("store_layer", tokens, mask, kwargs, _LAYER_ARGS))
 
-    def retrieve_layer(
-        self, tokens: TokenInput, mask: torch.Tensor | None = None, **kwargs: Any
-    ) -> Iterator[torch.Tensor | None]:
+    def retrieve_layer(self, tokens: TokenInput, mask: MaskInput = None, **kwargs: Any) -> Iterator[torch.Tensor | None]:
         """Layerwise retrieve generator (num_layers + 2 yields); see :mod:`lmcache.v1.layerwise`.
 
-        Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise)."""
+        Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise).
+        Mask and keyword arguments as in :meth:`store`."""
         self.transfer.check_layer_calls()
         return self.transfer.retrieve_layer(self._copy_request("retrieve_layer", tokens, mask, kwargs, _LAYER_ARGS))
 

@@ -61,7 +61,7 @@ from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolReservation, pool_bytes
 from lmcache.v1.request import TransferRequest
-from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.storage_backend.storage_manager import LookupResult, StorageManager
 from lmcache.v1.token_database import ChunkSpan
 from lmcache.v1.transfer import TransferContext, TransferPath, equal_runs, release
 
@@ -363,13 +363,15 @@ class LayerwiseTransfer(TransferPath):
         self.connector()
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
-        """Number of leading chunks of ``keys`` present for every layer.
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool, search_range: frozenset[str] | None = None) -> LookupResult:
+        """The leading chunks of ``keys`` present for every layer (in the tiers
+        ``search_range`` names; None: all).
 
-        ``pin`` pins the L1 entries found, like ``StorageManager.batched_contains``;
-        undo with :meth:`unpin`. Non-blocking apart from lower-tier existence checks.
+        ``pin`` pins the L1 entries found (every layer key of them; listed in ``pinned``),
+        like ``StorageManager.batched_lookup``; undo with :meth:`unpin`. Non-blocking
+        apart from lower-tier existence checks.
         """
-        return self.ctx.storage_manager.batched_lookup(LayerKeys(keys, self.num_layers), pin=pin).hits
+        return self.ctx.storage_manager.batched_lookup(LayerKeys(keys, self.num_layers), pin=pin, search_range=search_range)
 
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
         self.ctx.storage_manager.batched_unpin([k for layer_list in LayerKeys(keys, self.num_layers) for k in layer_list])

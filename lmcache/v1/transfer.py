@@ -39,7 +39,7 @@ from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.stats import TIERS as _TIERS
 from lmcache.v1.stats import CacheStats, LatencyHistogram
-from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.storage_backend.storage_manager import LookupResult, StorageManager
 from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan
 
 logger = logging.getLogger(__name__)
@@ -81,11 +81,14 @@ class TransferContext:
         return self.connector
 
     def spans(self, req: TransferRequest) -> list[ChunkSpan]:
+        if req.spans is not None:  # chunks named by caller-supplied hashes
+            return list(req.spans)
         return self.token_database.spans_of(req.tokens, req.mask_start, req.extras)
 
     def store_spans(self, req: TransferRequest) -> list[ChunkSpan]:
-        """Spans a store writes: with block reuse on, the trailing partial chunk cut to whole blocks."""
-        if self.blocks is None:
+        """Spans a store writes: with block reuse on, the trailing partial chunk cut to whole
+        blocks (not for chunks named by hashes: they have no tokens to cut)."""
+        if self.blocks is None or req.spans is not None:
             return self.spans(req)
         keep = self.blocks.store_length(req.num_tokens)
         return self.token_database.spans_of(req.tokens[:keep], req.mask_start, req.extras, include_partial=True)
@@ -205,8 +208,10 @@ class TransferPath(ABC):
         """Write cached KV of the longest cached prefix; CPU bool mask of the written tokens."""
 
     @abstractmethod
-    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
-        """Number of leading chunk keys retrievable (``pin``: pin their L1 entries)."""
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool, search_range: frozenset[str] | None = None) -> LookupResult:
+        """The leading chunk keys retrievable (``hits``), asking the tiers ``search_range``
+        names (None: all); ``pin`` pins their L1 entries (``pinned``: the storage keys
+        pinned, for ``StorageManager.batched_unpin``)."""
 
     @abstractmethod
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
@@ -269,7 +274,7 @@ class BulkTransfer(TransferPath):
                 sm.batched_put([s.key for s in todo], objs)
             finally:
                 release(objs)
-        if ctx.blocks is not None:
+        if ctx.blocks is not None and req.spans is None:
             # the cached prefix too: its entries may come from a restart's disk tier or
             # another server, and re-adding refreshes the index's order
             ctx.blocks.register(req.tokens, req.extras, spans[:cached] + todo, {s.end: s.key for s in spans})
@@ -389,8 +394,8 @@ class BulkTransfer(TransferPath):
             obj = part
         return _Tail(ChunkSpan(start, start + n, hit.key), obj, sources[0] if sources else "unknown")
 
-    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
-        return self.ctx.storage_manager.batched_contains(keys, pin=pin)
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool, search_range: frozenset[str] | None = None) -> LookupResult:
+        return self.ctx.storage_manager.batched_lookup([keys], pin, search_range=search_range)
 
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
         for key in keys:
