@@ -14,13 +14,17 @@ Storage model
 * The store's own :class:`~lmcache.v1.storage_backend.resident_index.ResidentIndex`
   (LRU policy, atomic eviction: enough victims or none; entries being read are never
   evicted) orders the entries. Pool pressure evicts hidden states only, never KV.
-* Coupled eviction is lazy: ``retrieve_hidden_states`` asks
-  ``storage_manager.batched_contains([key], num_layers=...)`` for every chunk it is about
-  to return (with ``use_layerwise``, all of the chunk's per-layer KV keys must be there). A chunk whose KV is
-  gone is an orphan: its hidden states (all layers) are dropped and the returned prefix
-  ends before it. A store built without a storage manager (``storage_manager=None``,
-  bound later with :meth:`HiddenStateStore.bind_storage_manager`) cannot tell, and
-  treats KV as present.
+* Coupled eviction is lazy: ``retrieve_hidden_states`` asks the storage manager whether
+  the KV of every chunk it is about to return is still cached (with ``use_layerwise``,
+  all of the chunk's per-layer KV keys must be there). Any object with LMCache's
+  storage-manager method ``contains(key, search_range=None, pin=False)`` (the name of
+  the tier holding ``key``, else None) will do; lmcache's own
+  :class:`~lmcache.v1.storage_backend.storage_manager.StorageManager` is asked once
+  per chunk for all layers (``batched_contains(..., num_layers=...)``). A chunk whose
+  KV is gone is an orphan: its hidden states (all layers) are dropped and the returned
+  prefix ends before it. A store built without a storage manager
+  (``storage_manager=None``, bound later with
+  :meth:`HiddenStateStore.bind_storage_manager`) cannot tell, and treats KV as present.
 
 Chunk visibility
 ----------------
@@ -53,7 +57,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -64,17 +68,24 @@ from lmcache.v1.stats import Counters
 from lmcache.errors import LogOnce
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
+from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.token_database import ChunkSpan, TokenInput, tokens_to_array
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.storage_backend.storage_manager import StorageManager
     from lmcache.v1.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
 
 HS_POLICY = "LRU"
+
+
+class KVPresence(Protocol):
+    """What the store needs from a storage manager: LMCache 0.5.6's ``contains`` (the
+    name of the tier that holds ``key``, or None). Called from any thread."""
+
+    def contains(self, key: CacheEngineKey, search_range: Sequence[str] | None = None, pin: bool = False) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +128,9 @@ class HiddenStateStore:
     Built by :class:`~lmcache.v1.cache_engine.LMCacheEngine` when
     ``enable_hidden_state_cache`` is true and exposed as ``engine.hidden_state_store``.
     ``token_database`` must be the engine's (same keys as the KV); ``storage_manager``
-    is the KV storage manager, only asked ``batched_contains``; it may be given later
-    with :meth:`bind_storage_manager` (until then KV counts as present).
+    is the KV storage manager (anything with LMCache's ``contains``, see
+    :class:`KVPresence`), only asked whether KV is present; it may be given later with
+    :meth:`bind_storage_manager` (until then KV counts as present).
 
     Thread-safe; see the module docstring for blocking behaviour and memory ownership.
     """
@@ -127,7 +139,7 @@ class HiddenStateStore:
         self,
         config: LMCacheEngineConfig,
         token_database: ChunkedTokenDatabase,
-        storage_manager: StorageManager | None = None,
+        storage_manager: KVPresence | None = None,
     ) -> None:
         if config.max_hidden_state_cpu_size <= 0:
             raise ValueError(
@@ -150,8 +162,11 @@ class HiddenStateStore:
         self._closed = False
         self._log_once = LogOnce(logger)
 
-    def bind_storage_manager(self, storage_manager: StorageManager | None) -> None:
-        """Use ``storage_manager`` for the coupled-eviction check (None: KV counts as present)."""
+    def bind_storage_manager(self, storage_manager: KVPresence | None) -> None:
+        """Use ``storage_manager`` for the coupled-eviction check (None: KV counts as present).
+
+        It needs only LMCache's ``contains(key, search_range=None, pin=False)``
+        (:class:`KVPresence`)."""
         self.storage_manager = storage_manager
 
     # ------------------------------------------------------------------ public API
@@ -405,11 +420,16 @@ class HiddenStateStore:
     def _kv_present(self, chunk: CacheEngineKey) -> bool:
         """Whether the KV of ``chunk`` is in some tier; on a layerwise engine, every layer's.
 
-        Without a storage manager the answer is unknown and counts as present."""
+        Without a storage manager the answer is unknown and counts as present. lmcache's
+        StorageManager answers for all layers in one batched call; any other manager is
+        asked LMCache's ``contains`` per key (a tier name, or None: a falsy answer is a miss)."""
         manager = self.storage_manager
         if manager is None:
             return True
-        return manager.batched_contains([chunk], num_layers=self._kv_layers) == 1
+        if isinstance(manager, StorageManager):
+            return manager.batched_contains([chunk], num_layers=self._kv_layers) == 1
+        keys = [chunk] if self._kv_layers is None else chunk.split_layers(self._kv_layers)
+        return all(manager.contains(key) for key in keys)
 
     def _touch(self, key: HSKey) -> bool:
         with self._lock:
