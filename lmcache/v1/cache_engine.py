@@ -38,6 +38,7 @@ from lmcache.v1.request import (
     check_lookup_id,
     mask_start,
     reject_unknown,
+    slots_from_list,
     tier_names,
     tokens_to_array,
 )
@@ -84,10 +85,6 @@ class LookupPins:
         with self._lock:
             return self._keys.pop(lookup_id, [])
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._keys)
-
 
 def make_transfer_path(config: LMCacheEngineConfig, ctx: TransferContext) -> TransferPath:
     """The transfer path ``config`` asks for: layerwise when ``use_layerwise``, else bulk."""
@@ -103,11 +100,12 @@ class LMCacheEngine:
     Keyword arguments of ``store``/``retrieve`` (and the layerwise calls): ``kvcaches``
     (list of per-layer tensors, default: the connector's registered ones),
     ``slot_mapping`` (1-D int32/int64 tensor, one slot per token; negative = no slot)
-    and (layerwise calls only) ``sync`` go to the GPU connector; ``cache_salt``, ``request_configs`` and
-    ``extra_keys`` are folded into the chunk keys (the only keyword arguments of
-    ``keys``/``lookup_unpin(tokens)``); LMCache 0.5.6's ``req_id``, ``offset``,
-    ``vllm_cached_tokens`` and ``transfer_spec`` are accepted and unused. Every keyword
-    LMCache 0.5.6's methods take is taken here (docs/migrating_from_lmcache.md).
+    and, for the layerwise calls, ``sync`` go to the GPU connector; ``cache_salt``,
+    ``request_configs`` and ``extra_keys`` are folded into the chunk keys (the only
+    keyword arguments of ``keys``/``lookup_unpin(tokens)``); LMCache 0.5.6's ``req_id``,
+    ``offset``, ``vllm_cached_tokens`` and ``transfer_spec`` are accepted and unused.
+    Every keyword LMCache 0.5.6's methods take is taken here
+    (docs/migrating_from_lmcache.md).
     Every public method validates its arguments once, into a
     :class:`~lmcache.v1.request.TransferRequest`, and raises TypeError/ValueError on bad
     input (unknown keyword arguments included) before touching any tier.
@@ -186,7 +184,7 @@ class LMCacheEngine:
             assert chunks is not None
             arr = np.broadcast_to(np.int32(0), (chunks.num_tokens,))  # placeholder: the chunks are named by hashes
             if isinstance(slot_mapping, list):  # LMCache takes a list of slots with hashes
-                slot_mapping = torch.tensor(slot_mapping, dtype=torch.int64)
+                slot_mapping = slots_from_list(slot_mapping)
         n = arr.shape[0]
         first = mask_start(mask, n, self.token_database.chunk_size)
         spans = None

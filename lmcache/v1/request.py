@@ -16,6 +16,11 @@ run ends as defence in depth).
   layout, dtype and hidden size.
 * :class:`TransferRequest` - tokens (as int32), mask start, key extras and the
   :class:`PagedKV` (None for lookups).
+* LMCache 0.5.6's arguments: a mask of bools or of numbers that are each 0 or 1
+  (:func:`mask_bools`), tier names for ``search_range``/``location`` (:func:`tier_names`,
+  :data:`TIER_NAMES`), chunks named by caller hashes (:class:`ChunkHashes`) and the
+  store/retrieve arguments LMCache passes on that are accepted and unused
+  (:data:`LMCACHE_COPY_ARG_NAMES`).
 
 Bad input raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value), naming the
 argument, the value and what was expected. Unknown keyword arguments raise TypeError.
@@ -46,6 +51,7 @@ MaskInput = torch.Tensor | np.ndarray | Sequence[bool | int | float] | None
 KEY_EXTRA_NAMES = ("cache_salt", "request_configs", "extra_keys")
 COPY_ARG_NAMES = ("kvcaches", "slot_mapping")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _I4 = np.dtype("<i4")  # a dtype object, not a string: numpy parses no format per call (~10 us with cold caches)
 
@@ -398,6 +404,18 @@ def check_lookup_id(lookup_id: object) -> str | None:
     if lookup_id is not None and (isinstance(lookup_id, bool) or not isinstance(lookup_id, (str, int))):
         raise TypeError(f"lookup_id={_short(lookup_id)}: expected a str (a request id) or None")
     return None if lookup_id is None else str(lookup_id)
+
+
+def slots_from_list(slots: list[object]) -> torch.Tensor:
+    """A list of slot numbers (LMCache's form with ``hashes``) as an int64 tensor; every
+    entry must be an int (bools and floats raise TypeError, values beyond int64 ValueError).
+    The tensor is then checked like any slot mapping (:func:`check_slot_mapping`)."""
+    for i, slot in enumerate(slots):
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+            raise TypeError(f"slot_mapping[{i}]={_short(slot)}: expected an int")
+        if not _INT64_MIN <= slot <= _INT64_MAX:
+            raise ValueError(f"slot_mapping[{i}]={slot}: outside int64")
+    return torch.tensor(slots, dtype=torch.int64)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -133,8 +135,9 @@ def test_lookup_search_range_limits_pins_to_the_tiers_asked(tmp_path):
         engine.close()
 
 
-def test_store_and_lookup_by_chunk_hashes():
-    engine = make_engine(SPEC, config())
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_store_and_lookup_by_chunk_hashes(layerwise):
+    engine = make_engine(SPEC, config(), layerwise=layerwise)
     kv, slots = random_kv_caches(SPEC), random_slot_mapping(SPEC, N)
     hashes, offsets = [0x1111, 0x2222, b"\x03" * 32], [CHUNK, CHUNK, CHUNK]
     try:
@@ -472,3 +475,49 @@ def test_engine_methods_take_every_lmcache_keyword(method):
 
 def test_tier_names_are_lmcache_s():
     assert TIER_NAMES == ("LocalCPUBackend", "LocalDiskBackend", "RemoteBackend")
+
+
+def test_migration_doc_names_every_recorded_keyword():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "migrating_from_lmcache.md").read_text()
+    section = doc.split("## Call arguments", 1)[1].split("\n## ", 1)[0]
+    for qualname, names in LMCACHE_056_SIGNATURES.items():
+        method = qualname.split(".")[1]
+        if method != "__init__":
+            assert f"`{method}(" in section or f"`{method}`" in section or f", `{method}`" in section, qualname
+        for name in names:
+            assert re.search(rf"`[^`\n]*\b{name}\b[^`\n]*`", section), (qualname, name)
+
+
+def test_a_slot_list_with_hashes_is_checked_like_a_slot_tensor():
+    engine = make_engine(SPEC, config())
+    kv = random_kv_caches(SPEC)
+    slots = random_slot_mapping(SPEC, CHUNK).tolist()
+    try:
+        with pytest.raises(TypeError, match=r"slot_mapping\[3\]=1.5"):
+            engine.store(hashes=[1], offsets=[CHUNK], kvcaches=kv, slot_mapping=slots[:3] + [1.5] + slots[4:])
+        with pytest.raises(ValueError, match="slot_mapping: slot"):
+            engine.store(hashes=[1], offsets=[CHUNK], kvcaches=kv, slot_mapping=[10**9] * CHUNK)
+        assert engine.store(hashes=[1], offsets=[CHUNK], kvcaches=kv, slot_mapping=slots) == CHUNK
+    finally:
+        engine.close()
+
+
+def test_storage_manager_allocate_takes_lmcache_s_keywords():
+    from lmcache.v1.memory_management import ALIGN
+
+    sm = StorageManager(config(), lower_backends=[], pool_bytes=4 * ALIGN)
+    keys = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(5)]
+    try:
+        for key in keys[:4]:
+            obj = sm.allocate(shapes=(ALIGN,), dtypes=torch.uint8, fmt=MemoryFormat.BINARY, busy_loop=False)
+            sm.put(key, obj)
+            obj.ref_count_down()
+        assert sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY, eviction=False) is None  # full, nothing evicted
+        assert sm.contains(keys[0]) == "LocalCPUBackend"
+        obj = sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY, eviction=True)
+        assert obj is not None and sm.contains(keys[0]) is None  # the oldest entry made room
+        obj.ref_count_down()
+        with pytest.raises(TypeError, match="shapes/dtypes"):
+            sm.allocate([(ALIGN,), (ALIGN,)], [torch.uint8, torch.uint8])
+    finally:
+        sm.close()
