@@ -49,8 +49,10 @@ class TinyModelSpec:
     initializer_range: float = 0.2
     seed: int = 0
     arch: str = "llama"
-    """``"llama"``, ``"llama-sliding"`` (every layer ``sliding_attention``) or ``"gemma3"``
-    (Gemma 3 text: sliding-window layers mixed with full-attention ones)."""
+    """``"llama"``, ``"llama-sliding"`` (every layer ``sliding_attention``), ``"gemma3"``
+    (Gemma 3 text: sliding-window layers mixed with full-attention ones) or ``"deepseek-v2"``
+    (MLA: a 512-wide compressed KV plus a 64-wide rotary key per token, no MoE layers) or
+    ``"granite-hybrid"`` (a Mamba2 layer and an attention layer: a model lmcache refuses)."""
     sliding_window: int | None = None
 
     def digest(self) -> str:
@@ -130,6 +132,38 @@ def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[A
             **common, head_dim=head_dim, sliding_window=spec.sliding_window or 64, layer_types=layer_types
         )
         return cfg, Gemma3ForCausalLM
+    if spec.arch == "granite-hybrid":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        cfg = GraniteMoeHybridConfig(
+            **common,
+            layer_types=["mamba", "attention"] * (spec.num_layers // 2),
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            num_local_experts=0,
+            shared_intermediate_size=spec.intermediate,
+        )
+        return cfg, GraniteMoeHybridForCausalLM
+    if spec.arch == "deepseek-v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(
+            **common,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_rope_head_dim=64,
+            qk_nope_head_dim=32,
+            v_head_dim=64,
+            first_k_dense_replace=spec.num_layers,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate,
+        )
+        return cfg, DeepseekV2ForCausalLM
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if spec.arch == "llama-sliding":
@@ -140,7 +174,9 @@ def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[A
         )
         return cfg, LlamaForCausalLM
     if spec.arch != "llama":
-        raise ValueError(f"arch={spec.arch!r}: expected 'llama', 'llama-sliding' or 'gemma3'")
+        raise ValueError(
+            f"arch={spec.arch!r}: expected 'llama', 'llama-sliding', 'gemma3', 'deepseek-v2' or 'granite-hybrid'"
+        )
     return LlamaConfig(**common), LlamaForCausalLM
 
 
@@ -286,6 +322,13 @@ class VLLMRun:
     turn's prompt is its message). Every round's result has ``"prompts"``."""
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 600.0
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More ``LLM(...)`` arguments (e.g. ``attention_backend``)."""
+    probe_kv: bool = False
+    """Record every token's KV (all layers) whenever the worker saves it and when it loads it,
+    and report per round how many loaded tokens are byte-equal to KV some request saved for
+    the same token prefix (``"kv_probe"``: a check of the loaded bytes that does not rely on
+    vLLM's numerics; two requests may compute a prefix's KV with different rounding)."""
 
 
 def run_vllm(run: VLLMRun) -> dict[str, Any]:
@@ -405,6 +448,80 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
 
 
+def token_rows(layer: Any, slots: Any, use_mla: bool) -> Any:
+    """``[tokens, components * heads * head]``: the KV vectors at ``slots`` of one paged layer
+    (any layout lmcache knows, read through its geometry)."""
+    import torch
+
+    from lmcache.v1.gpu_connector.layouts import detect_layout
+
+    geo = detect_layout(layer, use_mla=use_mla).geometry(layer)
+    slots = torch.as_tensor(slots, dtype=torch.long)
+    b, n = slots // geo.block_size, slots % geo.block_size
+    parts = []
+    for c in geo.components:
+        view = torch.as_strided(
+            layer,
+            (geo.num_blocks, geo.block_size, geo.num_heads, geo.head_size),
+            (c.block_stride, c.token_stride, c.head_stride, c.dim_stride),
+            layer.storage_offset() + c.offset,
+        )
+        parts.append(view[b, n].reshape(len(slots), -1))
+    return torch.cat(parts, dim=1).clone()
+
+
+class KVProbe:
+    """Wraps the worker connector's save and load steps (see ``VLLMRun.probe_kv``)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple[int, ...], list[Any]] = {}
+        self.checked = 0
+        self.equal = 0
+
+    def _rows(self, worker: Any, req: Any, end: int) -> Any:
+        import torch
+
+        slots = req.slot_mapping[:end]
+        use_mla = worker.engine.metadata.use_mla
+        return torch.stack([token_rows(kv, slots, use_mla) for kv in worker.kvcaches], dim=1)
+
+    def install(self) -> None:
+        from lmcache.integration.vllm import worker_side
+
+        probe, real_save, real_load = self, worker_side.WorkerConnector.wait_for_save, worker_side.WorkerConnector.start_load_kv
+
+        def wait_for_save(worker: Any) -> None:
+            real_save(worker)
+            for req in worker._reqs:
+                if req.save is not None and req.req_id not in worker._failed:
+                    s = req.save
+                    rows = probe._rows(worker, req, s.end)
+                    for t in range(s.skip, s.end):  # the token's prefix names it
+                        seen = probe.saved.setdefault(tuple(req.token_ids[: t + 1].tolist()), [])
+                        if not any(bool((r == rows[t]).all()) for r in seen):
+                            seen.append(rows[t])
+
+        def start_load_kv(worker: Any) -> None:
+            real_load(worker)
+            for req in worker._reqs:
+                spec = req.load
+                if spec is None or req.req_id in worker._failed:
+                    continue
+                rows = probe._rows(worker, req, spec.end)
+                for t in range(spec.num_local, spec.end):
+                    seen = probe.saved.get(tuple(req.token_ids[: t + 1].tolist()), [])
+                    probe.checked += 1
+                    probe.equal += any(bool((r == rows[t]).all()) for r in seen)
+
+        worker_side.WorkerConnector.wait_for_save = wait_for_save  # type: ignore[method-assign]
+        worker_side.WorkerConnector.start_load_kv = start_load_kv  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, int]:
+        out = {"checked": self.checked, "equal": self.equal}
+        self.checked = self.equal = 0
+        return out
+
+
 def _child_main(spec_path: str, out_path: str) -> None:
     import logging
 
@@ -418,6 +535,10 @@ def _child_main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
+
+    probe = KVProbe() if run.probe_kv else None
+    if probe is not None:
+        probe.install()
 
     kwargs: dict[str, Any] = dict(
         model=run.model,
@@ -435,6 +556,7 @@ def _child_main(spec_path: str, out_path: str) -> None:
         kwargs["max_num_seqs"] = run.max_num_seqs
     if run.num_kv_blocks is not None:
         kwargs["num_gpu_blocks_override"] = run.num_kv_blocks
+    kwargs.update(run.llm_kwargs)
     if run.connector is not None:
         extra = {f"lmcache.{k}": v for k, v in run.lmcache.items()}
         if run.connector == "builtin":
@@ -496,6 +618,7 @@ def _child_main(spec_path: str, out_path: str) -> None:
                 "seconds": seconds,
                 "per_prompt_seconds": per_prompt,
                 "action": action_info,
+                "kv_probe": probe.take() if probe is not None else None,
             }
         )
     Path(out_path).write_text(json.dumps({"rounds": rounds, "engine_id": engine_id}))

@@ -232,6 +232,7 @@ EXTRA_CONFIG_KEYS = (
     "enable_blending",
     "lookup_socket_dir",
     "lookup_timeout",
+    "save_only_first_rank",
 )
 
 

@@ -19,7 +19,7 @@ from lmcache.v1.gpu_connector.layerwise import (
 from lmcache.v1.gpu_connector.paged import VLLMPagedMemGPUConnectorV2
 from lmcache.v1.metadata import LMCacheEngineMetadata
 
-LAYOUT_NAMES = ("vllm_cpu", "flash_attn", "flashinfer", "mla")
+LAYOUT_NAMES = ("vllm_cpu", "flash_attn", "flashinfer", "mla", "mla_cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class KVSpec:
 
     @property
     def use_mla(self) -> bool:
-        return self.layout == "mla"
+        return self.layout in ("mla", "mla_cpu")
 
     @property
     def hidden(self) -> int:
@@ -49,6 +49,7 @@ class KVSpec:
             "flash_attn": (2, nb, bs, h, d),
             "flashinfer": (nb, 2, bs, h, d),
             "mla": (nb, bs, d),
+            "mla_cpu": (nb, 1, bs, d),
         }[self.layout]
 
 

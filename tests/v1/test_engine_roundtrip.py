@@ -26,6 +26,8 @@ def token_vectors(layer: torch.Tensor, spec: KVSpec, slot: int) -> list[torch.Te
         return [layer[0, b, n], layer[1, b, n]]
     if spec.layout == "flashinfer":
         return [layer[b, 0, n], layer[b, 1, n]]
+    if spec.layout == "mla_cpu":
+        return [layer[b, 0, n]]
     return [layer[b, n]]
 
 
@@ -70,7 +72,7 @@ def test_round_trip_bit_exact(layout, dtype, num_tokens):
     engine.close()
 
 
-@pytest.mark.parametrize("layout", ["vllm_cpu", "mla"])
+@pytest.mark.parametrize("layout", ["vllm_cpu", "mla", "mla_cpu"])
 def test_unfull_chunk_and_mask(layout):
     spec = KVSpec(layout=layout, num_blocks=12, block_size=8)
     cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.1, "save_unfull_chunk": True})

