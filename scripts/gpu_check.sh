@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA path proven on a GPU machine, in one prepared run (docs/performance.md, "GPU check").
 #
-#   scripts/gpu_check.sh                 on a CUDA machine (the lent H200: no network, no vLLM)
+#   scripts/gpu_check.sh                 on a CUDA machine (e.g. an H200 machine without network or vLLM)
 #   scripts/gpu_check.sh --cpu-dry-run   the same logic on a CPU machine, tiny sizes, < 60 s
 #
 # Steps, each with its own timeout inside one overall budget; a failing step is reported and
@@ -22,8 +22,8 @@
 #   suite       the engine's CPU-side tests again with CUDA visible (pinned pools everywhere);
 #               runs only when at least 60 s of the budget are left
 #
-# Results under $OUT (default ./gpu_check_out), at most 8 files (the device tool returns no
-# more): summary.txt summary.json setup.log cuda_tests.xml cuda_tests.log bench_gpu.json
+# Results under $OUT (default ./gpu_check_out), at most 8 files (kept small for a remote
+# GPU runner): summary.txt summary.json setup.log cuda_tests.xml cuda_tests.log bench_gpu.json
 # bench_gpu.log suite.log. The summary table is printed last on stdout.
 # Exit status: 0 when every step passed, 1 otherwise (a missed performance target is
 # reported in the bench table, not failed). Environment: OUT, PYTHON, GPU_CHECK_BUDGET

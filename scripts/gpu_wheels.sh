@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the wheels scripts/gpu_check.sh may need on the lent GPU machine into .whl/.
+# Download the wheels scripts/gpu_check.sh may need on a GPU machine without network into .whl/.
 #
 # That machine (Python 3.12, x86-64, CUDA torch) has no network; its image already holds
 # torch, numpy, pyyaml, xxhash, pytest, hypothesis and pytest-timeout, but an image can
@@ -7,7 +7,7 @@
 # Python lacks. Torch and numpy are never downloaded (the image's CUDA torch is the point).
 #
 #   scripts/gpu_wheels.sh            # once, on a machine with PyPI access (this one)
-#   then, with the device tool:      run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   then, on the GPU machine, with .whl/ copied beside the tree:   bash scripts/gpu_check.sh
 #
 # .whl/ is ignored by git (/.whl/ in .gitignore) and travels only when `carry` names it.
 # The whole tree that travels is capped at 64 MiB; this script reports both sizes and fails

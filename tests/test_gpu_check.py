@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh --cpu-dry-run: the GPU check's logic, end to end, on this machine.
 
 The real run needs a lent GPU machine; this keeps the script, bench_gpu.py and the CUDA
-test selection from rotting in between. It checks the files the device tool brings back
+test selection from rotting in between. It checks the files a GPU run leaves
 (at most 8 plain files with plain names directly under $OUT) and their contents.
 """
 

@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True, slots=True)
 class TinyModelSpec:
-    """Geometry of a random-weight Llama (DESIGN.md §7 defaults)."""
+    """Geometry of a random-weight tiny model (defaults: docs/vllm.md, "Tests, demo, benchmark")."""
 
     num_layers: int = 2
     hidden: int = 256

@@ -13,7 +13,7 @@ CHUNK = 16
 
 
 def token_vectors(layer: torch.Tensor, spec: KVSpec, slot: int) -> list[torch.Tensor]:
-    """Reference decode (DESIGN.md §5), independent of the connector's layout table."""
+    """Reference decode (docs/architecture.md, "KV layouts"), independent of the connector's layout table."""
     b, n = divmod(slot, spec.block_size)
     if spec.layout == "vllm_cpu":
         nb, h, bs, two_d = layer.shape

@@ -2,7 +2,8 @@
 
 redis-py packs a ``SET`` value into one buffer and hands a ``GET`` reply over as a
 fresh ``bytes`` object; for MiB-sized KV chunks both are extra copies into freshly
-faulted memory (DESIGN.md §8). These two helpers speak RESP on the connection's
+faulted memory, which is several times slower than copying into reused memory
+(docs/performance.md). These two helpers speak RESP on the connection's
 socket directly instead:
 
 * :func:`send_set` sends ``SET key <value>`` where the value is the concatenation of
