@@ -3,7 +3,11 @@
 * ruff finds nothing in ``lmcache``, ``tests`` and ``benchmarks`` (rules in pyproject.toml,
   the logging rules included);
 * the import graph of ``lmcache/`` (module-level and function-level imports; imports
-  under ``if TYPE_CHECKING:`` are not executed and do not count) has no cycle;
+  under ``if TYPE_CHECKING:`` are not executed and do not count) has no cycle, between
+  modules nor between packages: taken as one node with everything under it, no package
+  (``lmcache.v1.gpu_connector``, ``lmcache.v1.storage_backend``, ``lmcache.integration.vllm``,
+  ``lmcache.v1``, ...) sits on a cycle, so a lazy import inside a function cannot hide
+  one (a module of ``lmcache.v1`` that a connector imports must not import a connector);
 * the tiers (``storage_backend/``) and the copy connectors (``gpu_connector/``) never
   import upward (engine, transfer paths, hidden-state store, EC engine, vLLM adapter)
   nor each other.
@@ -47,13 +51,23 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
-    """lmcache modules imported anywhere in ``tree`` except under ``if TYPE_CHECKING:``."""
+def _imports(
+    tree: ast.AST, module: str, is_package: bool, modules: set[str], init_names: dict[str, set[str]] | None = None
+) -> set[str]:
+    """lmcache modules imported anywhere in ``tree`` except under ``if TYPE_CHECKING:``.
+
+    ``from pkg import name`` is an import of ``pkg.name`` when that is a module, or when
+    ``pkg``'s ``__init__`` does not define ``name`` (a compiled submodule such as
+    ``lmcache._keyhash``, present only once built); else of ``pkg`` itself.
+    """
     found: set[str] = set()
+    defined = init_names or {}
 
     def resolve(base: str, name: str) -> str:
         full = f"{base}.{name}" if base else name
-        return full if full in modules else base
+        if full in modules or (base in defined and name not in defined[base]):
+            return full
+        return base
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
@@ -80,14 +94,57 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) ->
     return {m for m in found if m == "lmcache" or m.startswith("lmcache.")}
 
 
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (assignments, defs, imports; any branch)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).partition(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
 def import_graph() -> dict[str, set[str]]:
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(files)
+    trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
+    init_names = {name: _top_level_names(trees[name]) for name, path in files.items() if path.name == "__init__.py"}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        graph[name] = {m for m in _imports(tree, name, path.name == "__init__.py", modules) if m != name}
+        found = _imports(trees[name], name, path.name == "__init__.py", modules, init_names)
+        graph[name] = {m for m in found if m != name}
     return graph
+
+
+def packages(graph: dict[str, set[str]]) -> list[str]:
+    """Every package of ``lmcache/`` but the root (a directory with an ``__init__.py``)."""
+    return sorted(m for m in graph if m != "lmcache" and (ROOT / m.replace(".", "/") / "__init__.py").is_file())
+
+
+def contract(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """``graph`` with ``package`` and every module under it merged into one node."""
+
+    def node(module: str) -> str:
+        return package if _within(module, package) else module
+
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        here = node(module)
+        out.setdefault(here, set()).update(node(d) for d in deps if node(d) != here)
+    return out
+
+
+def package_cycles(graph: dict[str, set[str]]) -> dict[str, list[list[str]]]:
+    """For each package that sits on a cycle once contracted (:func:`contract`), the cycles."""
+    found = {}
+    for package in packages(graph):
+        bad = [c for c in cycles(contract(graph, package)) if package in c]
+        if bad:
+            found[package] = bad
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -144,8 +201,30 @@ def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_a_compiled_submodule_is_not_its_package():
+    """``from lmcache import _keyhash`` imports the extension, not ``lmcache/__init__.py``."""
+    graph = import_graph()
+    assert "lmcache._keyhash" in graph["lmcache.v1.keys"]
+    assert "lmcache" not in graph["lmcache.v1.keys"]
+    assert "lmcache" in graph["lmcache.cli"]  # ``from lmcache import __version__``
+
+
+def test_package_cycle_finder_sees_a_cycle_that_no_module_cycle_shows():
+    """A module of ``p`` imports a module of ``p.sub`` (lazily, say) which imports another
+    module of ``p``: no module cycle, but ``p.sub`` sits on a package cycle."""
+    graph = {"p.a": {"p.sub.x"}, "p.sub.x": set(), "p.sub.y": {"p.a"}, "p.b": set()}
+    assert cycles(graph) == []
+    assert cycles(contract(graph, "p.sub")) == [["p.a", "p.sub"]]
+
+
 def test_lmcache_has_no_import_cycle():
     assert cycles(import_graph()) == []
+
+
+def test_lmcache_has_no_package_cycle():
+    graph = import_graph()
+    assert {"lmcache.v1", "lmcache.v1.gpu_connector", "lmcache.integration.vllm"} <= set(packages(graph))
+    assert package_cycles(graph) == {}
 
 
 def test_tiers_and_connectors_never_import_upward_nor_each_other():

@@ -10,12 +10,11 @@ run ends as defence in depth).
   ``cache_salt`` (tenant isolation), ``request_configs`` (name -> scalar) and
   ``extra_keys`` (e.g. a LoRA name, multimodal hashes). :meth:`KeyExtras.encode` is
   injective: two different extras never give the same bytes.
-* :class:`PagedKV` - the paged KV tensors of one call (every layer checked against the
-  layout and against each other) plus the slot mapping (int32/int64, inside every
-  layer's capacity). Built by a connector (:meth:`PagedKVBase.bind`), which knows the
-  layout, dtype and hidden size.
-* :class:`TransferRequest` - tokens (as int32), mask start, key extras and the
-  :class:`PagedKV` (None for lookups).
+* :class:`TransferRequest` - tokens (as int32), mask start, key extras and the call's
+  :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV` (None for lookups). The paged KV
+  is validated by the connector that copies it (:meth:`KVConnector.bind
+  <lmcache.v1.gpu_connector.protocol.KVConnector.bind>`), which knows the layout, dtype
+  and hidden size; its checks live in :mod:`lmcache.v1.gpu_connector.paged_kv`.
 * LMCache 0.5.6's arguments: a mask of bools or of numbers that are each 0 or 1
   (:func:`mask_bools`), tier names for ``search_range``/``location`` (:func:`tier_names`,
   :data:`TIER_NAMES`), chunks named by caller hashes (:class:`ChunkHashes`) and the
@@ -25,8 +24,10 @@ run ends as defence in depth).
 Bad input raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value), naming the
 argument, the value and what was expected. Unknown keyword arguments raise TypeError.
 
-Thread-safety: the objects are immutable; building one has no side effects. Memory:
-a :class:`PagedKV` references the caller's tensors for the duration of the call only.
+The native scans (:func:`native_int_stats`, also used by the slot-mapping check) and
+their switch (``LMCACHE_NATIVE_HASH=0``) live here.
+
+Thread-safety: the objects are immutable; building one has no side effects.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # layouts are imported lazily: gpu_connector itself imports this module
-    from lmcache.v1.gpu_connector.layouts import KVLayout, PagedGeometry
+if TYPE_CHECKING:
+    from lmcache.v1.gpu_connector.paged_kv import PagedKV
     from lmcache.v1.token_database import ChunkSpan
 
 TokenInput = Sequence[int] | np.ndarray | torch.Tensor
@@ -231,6 +232,17 @@ def _native_address(t: torch.Tensor, dtype: torch.dtype | None = None) -> int | 
     return t.data_ptr()
 
 
+def native_int_stats(t: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> tuple[int, int] | None:
+    """``(largest, index of the first negative or n)`` of the first ``n`` (>= 1) entries of
+    ``t`` in one C pass; None when the native module is missing or disabled
+    (``LMCACHE_NATIVE_HASH=0``) or ``t`` is not a contiguous 1-D int32/int64 CPU tensor
+    (the caller then scans with numpy or torch). ``dtype``: ``t.dtype`` when already read."""
+    addr = _native_address(t, dtype)
+    if addr is None:
+        return None
+    return _int_stats(addr, n, (dtype or t.dtype).itemsize)
+
+
 def tokens_to_array(tokens: object) -> np.ndarray:
     """Token ids as a contiguous little-endian int32 array (no per-token Python loop).
 
@@ -409,7 +421,8 @@ def check_lookup_id(lookup_id: object) -> str | None:
 def slots_from_list(slots: list[object]) -> torch.Tensor:
     """A list of slot numbers (LMCache's form with ``hashes``) as an int64 tensor; every
     entry must be an int (bools and floats raise TypeError, values beyond int64 ValueError).
-    The tensor is then checked like any slot mapping (:func:`check_slot_mapping`)."""
+    The tensor is then checked like any slot mapping
+    (:func:`~lmcache.v1.gpu_connector.paged_kv.check_slot_mapping`)."""
     for i, slot in enumerate(slots):
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
             raise TypeError(f"slot_mapping[{i}]={_short(slot)}: expected an int")
@@ -458,137 +471,6 @@ class ChunkHashes:
         h = self.hashes[i]
         body = b"b" + _lp(h) if isinstance(h, bytes) else b"i" + _lp(str(h).encode())
         return body + struct.pack("<Q", self.offsets[i])
-
-
-# ---------------------------------------------------------------------- paged KV
-@dataclass(frozen=True, slots=True)
-class KVSpec:
-    """What a connector expects of every layer tensor."""
-
-    num_layers: int
-    hidden: int
-    num_kv: int
-    dtype: torch.dtype | None  # None: any (the connector adopts the first one it sees)
-    use_mla: bool
-    layout: KVLayout | None  # None: detected from the rank
-
-
-@dataclass(frozen=True, slots=True)
-class PagedKV:
-    """Validated paged KV tensors and slot mapping of one call.
-
-    Every layer has the same shape, strides, dtype and device (checked), so
-    ``geometry`` describes each of them; ``capacity`` (blocks x block size) bounds every
-    slot. ``slot_mapping`` is the caller's tensor moved to the KV device (int32 or
-    int64). ``first_unmapped`` is the index of the first negative slot (or its length).
-    """
-
-    kvcaches: tuple[torch.Tensor, ...]
-    slot_mapping: torch.Tensor
-    geometry: PagedGeometry
-    first_unmapped: int
-    sync: bool = True
-
-    @property
-    def capacity(self) -> int:
-        return self.geometry.num_blocks * self.geometry.block_size
-
-
-class GeometryCache:
-    """Last (shape, strides) -> geometry, per connector (one layer shape per engine)."""
-
-    __slots__ = ("key", "geometry")
-
-    def __init__(self) -> None:
-        self.key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self.geometry: PagedGeometry | None = None
-
-
-def check_kv_layers(kvcaches: object, spec: KVSpec) -> tuple[torch.Tensor, ...]:
-    """Validate per-layer KV tensors against ``spec`` and each other; returns them as a tuple."""
-    if isinstance(kvcaches, torch.Tensor) or not isinstance(kvcaches, Sequence):
-        raise TypeError(f"kvcaches: expected a list of per-layer tensors, got {type(kvcaches).__name__}")
-    layers = tuple(kvcaches)
-    if len(layers) != spec.num_layers:
-        raise ValueError(f"kvcaches: expected {spec.num_layers} layer tensors, got {len(layers)}")
-    first = layers[0]
-    if not isinstance(first, torch.Tensor):
-        raise TypeError(f"kvcaches[0]: expected a torch.Tensor, got {type(first).__name__}")
-    shape, strides, dtype, device = first.shape, first.stride(), first.dtype, first.device
-    if spec.dtype is not None and dtype != spec.dtype:
-        raise ValueError(f"kvcaches[0]: dtype {dtype} does not match the connector dtype {spec.dtype}")
-    for i in range(1, len(layers)):
-        t = layers[i]
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"kvcaches[{i}]: expected a torch.Tensor, got {type(t).__name__}")
-        if t.shape != shape or t.dtype != dtype or t.device != device or t.stride() != strides:
-            raise ValueError(
-                f"kvcaches[{i}]: shape/strides/dtype/device {tuple(t.shape)}/{t.stride()}/{t.dtype}/{t.device} differ "
-                f"from layer 0 ({tuple(shape)}/{strides}/{dtype}/{device}); every layer must have the same layout"
-            )
-    return layers
-
-
-def kv_geometry(first: torch.Tensor, spec: KVSpec, cache: GeometryCache | None = None) -> PagedGeometry:
-    """The geometry of a (validated) layer tensor under ``spec``'s layout, cached."""
-    key = (tuple(first.shape), first.stride())
-    if cache is not None and cache.key == key:
-        assert cache.geometry is not None
-        return cache.geometry
-    if any(st == 0 and n > 1 for n, st in zip(first.shape, first.stride())):
-        raise ValueError(f"kvcaches: layer strides {first.stride()} overlap (a zero stride); expected distinct elements")
-    if first.numel() == 0:
-        raise ValueError(f"kvcaches: layer shape {tuple(first.shape)} is empty")
-    from lmcache.v1.gpu_connector.layouts import detect_layout
-
-    layout = spec.layout or detect_layout(first, use_mla=spec.use_mla)
-    geom = layout.geometry(first)
-    if geom.hidden != spec.hidden or len(geom.components) != spec.num_kv:
-        raise ValueError(
-            f"kvcaches: layer shape {tuple(first.shape)} gives hidden={geom.hidden} and "
-            f"{len(geom.components)} component(s); expected hidden={spec.hidden}, {spec.num_kv}"
-        )
-    if cache is not None:
-        cache.key, cache.geometry = key, geom
-    return geom
-
-
-def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Validate a slot mapping for ``n`` tokens; returns (slots on ``device``, first negative index).
-
-    Must be a 1-D int32/int64 tensor with at least ``n`` entries; every one of the first
-    ``n`` slots must be < ``capacity`` (negative = the token has no slot: skipped).
-    """
-    if slot_mapping is None:
-        raise ValueError("slot_mapping: missing; expected a 1-D int32/int64 tensor with one slot per token")
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping: expected a 1-D int32/int64 torch.Tensor, got {type(slot_mapping).__name__}")
-    dtype = slot_mapping.dtype
-    if dtype not in _SLOT_DTYPES:
-        raise TypeError(f"slot_mapping: dtype {dtype}; expected torch.int32 or torch.int64")
-    if slot_mapping.dim() != 1:
-        raise ValueError(f"slot_mapping: expected a 1-D tensor, got shape {tuple(slot_mapping.shape)}")
-    if slot_mapping.shape[0] < n:
-        raise ValueError(f"slot_mapping: has {slot_mapping.shape[0]} entries; expected at least {n} (one per token)")
-    if n == 0:
-        return slot_mapping, 0
-    addr = _native_address(slot_mapping, dtype)
-    if addr is not None:  # one C pass over the first n slots
-        top, first_neg = _int_stats(addr, n, dtype.itemsize)
-    elif slot_mapping.device.type == "cpu":
-        arr = slot_mapping.numpy()[:n]
-        lo, top = int(arr.min()), int(arr.max())
-        first_neg = n if lo >= 0 else int(np.argmax(arr < 0))  # no temporary array when nothing is negative
-    else:
-        head = slot_mapping[:n]
-        negs = head < 0
-        stats = torch.stack([head.max().to(torch.int64), torch.where(negs.any(), negs.int().argmax(), n).to(torch.int64)])
-        top, first_neg = stats.tolist()
-    if top >= capacity:
-        raise ValueError(f"slot_mapping: slot {top} is outside the paged cache (capacity {capacity} slots)")
-    if slot_mapping.device != device:
-        slot_mapping = slot_mapping.to(device)
-    return slot_mapping, first_neg
 
 
 # ---------------------------------------------------------------------- requests

@@ -14,7 +14,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
 import lmcache.v1.request as request_mod
-from lmcache.v1.request import KeyExtras, check_slot_mapping, tokens_to_array
+from lmcache.v1.gpu_connector.paged_kv import check_slot_mapping
+from lmcache.v1.request import KeyExtras, tokens_to_array
 from lmcache.v1.token_database import ChunkedTokenDatabase, native_hashing
 
 native = pytest.mark.skipif(not native_hashing(), reason="lmcache._keyhash not built")

@@ -46,8 +46,8 @@ import torch
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
 from lmcache.v1.gpu_connector.paged import PagedKVBase, object_tensor, pool_addresses
+from lmcache.v1.gpu_connector.paged_kv import PagedKV
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
-from lmcache.v1.request import PagedKV
 
 
 @dataclass(frozen=True, slots=True)

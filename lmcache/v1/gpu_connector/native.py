@@ -216,7 +216,7 @@ class NativeKernels:
         """A :class:`LayerCopyPlan` for one request's per-layer copies (CPU tensors only).
 
         ``kv_layers`` are the request's layer tensors (same shape, strides, dtype and
-        device, as :class:`~lmcache.v1.request.PagedKV` guarantees; checked here);
+        device, as :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV` guarantees; checked here);
         chunk ``k`` holds tokens ``[starts[k], starts[k] + counts[k])``. ValueError on
         malformed arguments.
         """

@@ -12,15 +12,15 @@ import torch
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import KVLayout, get_layout
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
-from lmcache.v1.request import (
+from lmcache.v1.gpu_connector.paged_kv import (
     GeometryCache,
-    KVSpec,
     PagedKV,
+    PagedKVSpec,
     check_kv_layers,
     check_slot_mapping,
     kv_geometry,
-    reject_unknown,
 )
+from lmcache.v1.request import reject_unknown
 
 
 class GPUConnectorInterface(ABC):
@@ -97,7 +97,7 @@ class PagedKVBase:
         self.num_kv = 1 if use_mla else 2
         self._layout: KVLayout | None = get_layout(layout) if layout is not None else None
         self._geom_cache = GeometryCache()
-        self._spec = KVSpec(num_layers, hidden_dim_size, self.num_kv, dtype, use_mla, self._layout)
+        self._spec = PagedKVSpec(num_layers, hidden_dim_size, self.num_kv, dtype, use_mla, self._layout)
         self.kvcaches: list[torch.Tensor] | None = None
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.load_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -113,7 +113,7 @@ class PagedKVBase:
         self.kvcaches = list(layers)
 
     @property
-    def kv_spec(self) -> KVSpec:
+    def kv_spec(self) -> PagedKVSpec:
         """What every layer tensor must look like."""
         return self._spec
 

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from lmcache.v1.memory_management import MemoryFormat
-from lmcache.v1.request import KVSpec, PagedKV
+from lmcache.v1.gpu_connector.paged_kv import PagedKV, PagedKVSpec
 
 
 @runtime_checkable
@@ -39,7 +39,7 @@ class KVConnector(Protocol):
         ...
 
     @property
-    def kv_spec(self) -> KVSpec:
+    def kv_spec(self) -> PagedKVSpec:
         """What every layer tensor must look like."""
         ...
 
