@@ -45,7 +45,7 @@ from lmcache.v1.request import (
 from lmcache.v1.stats import CacheStats
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan, PrefixKeys, TokenInput
-from lmcache.v1.transfer import BulkTransfer, TransferContext, TransferPath
+from lmcache.v1.transfer import BulkTransfer, LayerwiseTransferPath, TransferContext, TransferPath
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ class LMCacheEngine:
         )
         self._ctx.blocks = BlockReuse.create(config, metadata, self.token_database, self.storage_manager)
         self.transfer: TransferPath = make_transfer_path(config, self._ctx)
+        self._layer_path = self.transfer if isinstance(self.transfer, LayerwiseTransferPath) else None
+        """The transfer path when it can move KV layer by layer, else None."""
         self.latency = self._ctx.latency
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
         not timed: their generators span the model's forward pass)."""
@@ -385,16 +387,29 @@ class LMCacheEngine:
 
         Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise).
         Mask and keyword arguments as in :meth:`store`."""
-        self.transfer.check_layer_calls()
-        return self.transfer.store_layer(self._copy_request("store_layer", tokens, mask, kwargs, _LAYER_ARGS))
+        path = self._layerwise()
+        return path.store_layer(self._copy_request("store_layer", tokens, mask, kwargs, _LAYER_ARGS))
 
     def retrieve_layer(self, tokens: TokenInput, mask: MaskInput = None, **kwargs: Any) -> Iterator[torch.Tensor | None]:
         """Layerwise retrieve generator (num_layers + 2 yields); see :mod:`lmcache.v1.layerwise`.
 
         Needs ``use_layerwise: true`` and a layerwise connector (ValueError otherwise).
         Mask and keyword arguments as in :meth:`store`."""
-        self.transfer.check_layer_calls()
-        return self.transfer.retrieve_layer(self._copy_request("retrieve_layer", tokens, mask, kwargs, _LAYER_ARGS))
+        path = self._layerwise()
+        return path.retrieve_layer(self._copy_request("retrieve_layer", tokens, mask, kwargs, _LAYER_ARGS))
+
+    def _layerwise(self) -> LayerwiseTransferPath:
+        """The layerwise path, its connector checked; ValueError when this engine has none
+        (checked before the request is built)."""
+        path = self._layer_path
+        if path is None:
+            raise ValueError(
+                "gpu_connector: layerwise store/retrieve need use_layerwise: true and a layerwise connector "
+                "(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector); this engine uses the "
+                f"{self.transfer.name} path with {type(self._ctx.connector).__name__}"
+            )
+        path.check_layer_calls()
+        return path
 
     # ------------------------------------------------------------------ misc
     def keys(self, tokens: TokenInput, **kwargs: Any) -> list[CacheEngineKey]:

@@ -57,13 +57,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmcache.v1.gpu_connector.layerwise import LayerCopy, LayerwiseGPUConnector
+from lmcache.v1.gpu_connector.protocol import LayerCopy, LayerwiseGPUConnectorInterface
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolReservation, pool_bytes
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import LookupResult, StorageManager
 from lmcache.v1.token_database import ChunkSpan
-from lmcache.v1.transfer import TransferContext, TransferPath, equal_runs, release
+from lmcache.v1.transfer import LayerwiseTransferPath, TransferContext, equal_runs, release
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _release_when_done(fut: Future) -> None:
     fut.add_done_callback(_drop)
 
 
-def _shapes(connector: LayerwiseGPUConnector, spans: Sequence[ChunkSpan]) -> list[tuple[int, ...]]:
+def _shapes(connector: LayerwiseGPUConnectorInterface, spans: Sequence[ChunkSpan]) -> list[tuple[int, ...]]:
     """Each chunk's one-layer object shape (computed once per distinct length)."""
     by_len: dict[int, tuple[int, ...]] = {}
     out = []
@@ -335,7 +335,7 @@ class _RetrieveState:
 
 
 # ---------------------------------------------------------------------- the path
-class LayerwiseTransfer(TransferPath):
+class LayerwiseTransfer(LayerwiseTransferPath):
     """One object and one key per (chunk, layer); copies one layer per ``next()`` (module docstring)."""
 
     name = "layerwise"
@@ -344,10 +344,10 @@ class LayerwiseTransfer(TransferPath):
         super().__init__(ctx)
         self.num_layers = ctx.metadata.num_layers
 
-    def connector(self) -> LayerwiseGPUConnector:
+    def connector(self) -> LayerwiseGPUConnectorInterface:
         """The engine's connector if it is a layerwise one matching the metadata; ValueError otherwise."""
         connector = self.ctx.connector
-        if not isinstance(connector, LayerwiseGPUConnector):
+        if not isinstance(connector, LayerwiseGPUConnectorInterface):
             raise ValueError(
                 f"gpu_connector: layerwise store/retrieve need a layerwise connector "
                 f"(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector), got {type(connector).__name__}"
@@ -405,7 +405,7 @@ class LayerwiseTransfer(TransferPath):
         """
         return self._store_steps(self.connector(), req, outcome or StoreOutcome())
 
-    def _store_steps(self, connector: LayerwiseGPUConnector, req: TransferRequest, outcome: StoreOutcome) -> Iterator[None]:
+    def _store_steps(self, connector: LayerwiseGPUConnectorInterface, req: TransferRequest, outcome: StoreOutcome) -> Iterator[None]:
         ctx = self.ctx
         num_layers = self.num_layers
         sm = ctx.storage_manager
@@ -454,7 +454,7 @@ class LayerwiseTransfer(TransferPath):
         finally:
             state.release()
 
-    def _reserve(self, connector: LayerwiseGPUConnector, spans: list[ChunkSpan], todo: list[int], state: _StoreState) -> list[int]:
+    def _reserve(self, connector: LayerwiseGPUConnectorInterface, spans: list[ChunkSpan], todo: list[int], state: _StoreState) -> list[int]:
         """Reserve the pool bytes of every layer of the ``todo`` chunks; returns the chunks
         that got all their layers (a prefix of ``todo``).
 
@@ -515,7 +515,7 @@ class LayerwiseTransfer(TransferPath):
         """
         return self._retrieve_steps(self.connector(), req)
 
-    def _retrieve_steps(self, connector: LayerwiseGPUConnector, req: TransferRequest) -> Iterator[torch.Tensor | None]:
+    def _retrieve_steps(self, connector: LayerwiseGPUConnectorInterface, req: TransferRequest) -> Iterator[torch.Tensor | None]:
         ctx = self.ctx
         num_layers = self.num_layers
         sm = ctx.storage_manager
@@ -614,7 +614,7 @@ class LayerwiseTransfer(TransferPath):
         hit: int,
         spans: list[ChunkSpan],
         want: list[tuple[int, ...]],
-        connector: LayerwiseGPUConnector,
+        connector: LayerwiseGPUConnectorInterface,
         keys: list[LayerCacheEngineKey],
     ) -> int:
         """Leading objects of ``got`` (at most ``hit``) present and fitting their chunk; the

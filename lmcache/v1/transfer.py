@@ -2,7 +2,8 @@
 
 An engine picks one :class:`TransferPath` when it is built (``use_layerwise`` in the
 config) and forwards every store, retrieve, lookup and unpin to it; the engine's
-methods contain no mode branches.
+methods contain no mode branches. A path that can also move KV one layer per step is a
+:class:`LayerwiseTransferPath`; the engine checks for it once, when it is built.
 
 * :class:`BulkTransfer` (this module): all layers of a chunk in one ``MemoryObj``,
   one key per chunk, one batched copy per call.
@@ -31,8 +32,7 @@ import torch
 
 from lmcache.errors import LogOnce
 from lmcache.v1.block_reuse import BlockReuse
-from lmcache.v1.gpu_connector.paged import GPUConnectorInterface
-from lmcache.v1.gpu_connector.protocol import KVConnector
+from lmcache.v1.gpu_connector.protocol import GPUConnectorInterface, KVConnector
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheEngineMetadata
@@ -189,8 +189,7 @@ class TransferPath(ABC):
     """One way of moving KV for whole requests (see the module docstring).
 
     Every method takes keys or a validated :class:`~lmcache.v1.request.TransferRequest`
-    and trusts it. ``store``/``retrieve`` block until the copy is complete;
-    ``store_layer``/``retrieve_layer`` return generators (layerwise paths only).
+    and trusts it. ``store``/``retrieve`` block until the copy is complete.
     """
 
     name: ClassVar[str]
@@ -216,6 +215,11 @@ class TransferPath(ABC):
     @abstractmethod
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
         """Undo the pins of ``lookup(keys, pin=True)``."""
+
+
+class LayerwiseTransferPath(TransferPath):
+    """A transfer path that also moves KV one layer per step, pipelined with the forward
+    pass: ``store_layer``/``retrieve_layer`` return generators."""
 
     @abstractmethod
     def check_layer_calls(self) -> None:
@@ -400,20 +404,3 @@ class BulkTransfer(TransferPath):
     def unpin(self, keys: Sequence[CacheEngineKey]) -> None:
         for key in keys:
             self.ctx.storage_manager.unpin(key)
-
-    def _not_layerwise(self) -> ValueError:
-        connector = self.ctx.connector
-        return ValueError(
-            "gpu_connector: layerwise store/retrieve need use_layerwise: true and a layerwise connector "
-            "(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector); this engine uses the bulk "
-            f"path with {type(connector).__name__}"
-        )
-
-    def check_layer_calls(self) -> None:
-        raise self._not_layerwise()
-
-    def store_layer(self, req: TransferRequest) -> Iterator[None]:
-        raise self._not_layerwise()
-
-    def retrieve_layer(self, req: TransferRequest) -> Iterator[torch.Tensor | None]:
-        raise self._not_layerwise()

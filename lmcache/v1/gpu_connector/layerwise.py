@@ -6,7 +6,8 @@ runs. A per-layer object is ``KV_2LTD`` with one layer, ``[2, 1, tokens, hidden]
 V of one layer of one chunk; ``KV_MLA_FMT`` ``[1, 1, tokens, hidden]`` for MLA): each
 component's tokens are contiguous, the same order as the bulk format, so a layer copies
 as fast as the bulk path (a token-major ``KV_T2D`` object interleaves K and V rows and
-scatters about 1.5x slower into flash-attn pages). Two variants share one protocol:
+scatters about 1.5x slower into flash-attn pages). Two variants share one base,
+:class:`LayerwiseGPUConnector`:
 
 * :class:`VLLMPagedMemLayerwiseGPUConnector` copies straight between the paged layer
   and the objects;
@@ -38,8 +39,7 @@ references.
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -47,32 +47,11 @@ from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
 from lmcache.v1.gpu_connector.paged import PagedKVBase, object_tensor, pool_addresses
 from lmcache.v1.gpu_connector.paged_kv import PagedKV
+from lmcache.v1.gpu_connector.protocol import LayerCopy, LayerwiseGPUConnectorInterface, LoadGenerator, StoreGenerator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 
-@dataclass(frozen=True, slots=True)
-class LayerCopy:
-    """Completion handle of one layer's copy.
-
-    ``event`` is None when the copy was synchronous (CPU), so it is already complete.
-    """
-
-    layer: int
-    event: torch.cuda.Event | None = None
-
-    def done(self) -> bool:
-        """Non-blocking: whether the copy has finished (its objects may be released)."""
-        return self.event is None or bool(self.event.query())
-
-    def wait(self) -> None:
-        """Block the calling thread until the copy has finished."""
-        if self.event is not None:
-            self.event.synchronize()
-
-
-StoreGenerator = Generator[LayerCopy, None, None]
 LayerCopier = Callable[[int, Sequence[MemoryObj]], None]
-LoadGenerator = Generator["LayerCopy | None", "Sequence[MemoryObj] | None", None]
 
 
 def _check_spans(starts: Sequence[int], ends: Sequence[int]) -> None:
@@ -88,8 +67,9 @@ def _contiguous_run(starts: Sequence[int], ends: Sequence[int]) -> bool:
     return all(ends[i] == starts[i + 1] for i in range(len(starts) - 1))
 
 
-class LayerwiseGPUConnector(PagedKVBase):
-    """Shared protocol of the layerwise connectors (see the module docstring).
+class LayerwiseGPUConnector(PagedKVBase, LayerwiseGPUConnectorInterface):
+    """What the layerwise connectors share (see the module docstring); the contract is
+    :class:`~lmcache.v1.gpu_connector.protocol.LayerwiseGPUConnectorInterface`.
 
     Called from the worker thread that runs the forward pass. Constructor arguments are
     those of :class:`~lmcache.v1.gpu_connector.paged.VLLMPagedMemGPUConnectorV2`.

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 import torch
 
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import KVLayout, get_layout
-from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.gpu_connector.paged_kv import (
     GeometryCache,
     PagedKV,
@@ -20,41 +18,9 @@ from lmcache.v1.gpu_connector.paged_kv import (
     check_slot_mapping,
     kv_geometry,
 )
+from lmcache.v1.gpu_connector.protocol import GPUConnectorInterface
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.request import reject_unknown
-
-
-class GPUConnectorInterface(ABC):
-    """Moves KV between the engine's paged cache and MemoryObjs.
-
-    Called from the worker thread that runs the forward pass. Calls return when the
-    copy is complete (on CUDA the side stream is synchronised before returning), so
-    the caller may release or publish the objects right after. The connector never
-    takes or drops references.
-    """
-
-    fmt: MemoryFormat
-
-    @abstractmethod
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        """Shape of the MemoryObj holding ``num_tokens`` tokens."""
-
-    @abstractmethod
-    def batched_from_gpu(
-        self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
-    ) -> None:
-        """Paged KV -> objs (store). ``kv`` from :meth:`bind`, or kwargs ``kvcaches``, ``slot_mapping``."""
-
-    @abstractmethod
-    def batched_to_gpu(
-        self, objs: Sequence[MemoryObj], starts: Sequence[int], ends: Sequence[int], kv: PagedKV | None = None, **kwargs: Any
-    ) -> None:
-        """objs -> paged KV (retrieve). ``kv`` from :meth:`bind`, or kwargs ``kvcaches``, ``slot_mapping``."""
-
-    def from_gpu(self, obj: MemoryObj, start: int, end: int, kv: PagedKV | None = None, **kwargs: Any) -> None:
-        self.batched_from_gpu([obj], [start], [end], kv, **kwargs)
-
-    def to_gpu(self, obj: MemoryObj, start: int, end: int, kv: PagedKV | None = None, **kwargs: Any) -> None:
-        self.batched_to_gpu([obj], [start], [end], kv, **kwargs)
 
 
 class PagedKVBase:
