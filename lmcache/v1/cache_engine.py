@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.block_reuse import BlockReuse
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.protocol import KVConnector

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat

@@ -65,7 +65,7 @@ import torch
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache.v1.stats import Counters
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
 from lmcache.v1.storage_backend.storage_manager import StorageManager

@@ -30,7 +30,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.block_reuse import BlockReuse
 from lmcache.v1.gpu_connector.protocol import GPUConnectorInterface, KVConnector
 from lmcache.v1.keys import CacheEngineKey

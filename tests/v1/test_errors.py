@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from lmcache.errors import LMCacheError, LogOnce, resolved
+from lmcache.errors import LMCacheError
+from lmcache.log_once import LogOnce
+from lmcache.v1.storage_backend.abstract_backend import resolved
 
 
 def test_log_once_logs_each_kind_once_until_reset(caplog):

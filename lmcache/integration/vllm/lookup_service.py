@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from lmcache.errors import LMCacheError, LogOnce
+from lmcache.errors import LMCacheError
+from lmcache.log_once import LogOnce
 from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
 

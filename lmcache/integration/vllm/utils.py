@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.private_files import default_runtime_dir
 from lmcache.v1.request import KeyExtras

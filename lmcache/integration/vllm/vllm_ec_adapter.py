@@ -40,7 +40,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from lmcache.errors import LogOnce
+from lmcache.log_once import LogOnce
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, load_ec_engine_config
 from lmcache.v1.ec_engine import ECCacheEngine, ECStats
 from lmcache.v1.metadata import dtype_name

@@ -1,17 +1,26 @@
-"""The contract every storage tier implements."""
+"""The contract every storage tier implements, and :func:`resolved` (an already-completed
+``Future``, for tiers that answer synchronously through the contract's asynchronous calls)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
-from lmcache.errors import resolved
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+T = TypeVar("T")
+
+
+def resolved(value: T) -> Future[T]:
+    """A ``Future`` that is already done with ``value``."""
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
 
 
 class TierMemory(Protocol):

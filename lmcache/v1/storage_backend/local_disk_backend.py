@@ -40,14 +40,14 @@ from typing import Any, Sequence
 
 import torch
 
-from lmcache.errors import LogOnce, resolved
+from lmcache.log_once import LogOnce
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryObj
 from lmcache.v1.options import option, parse_options
 from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
 from lmcache.v1.stats import Counters
-from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
     PAGE,

@@ -24,13 +24,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from lmcache.errors import LogOnce, resolved
+from lmcache.log_once import LogOnce
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.options import option, parse_options
 from lmcache.v1.stats import Counters
-from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory
+from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.connector import (
     RedisConnector,
     RemoteAuthError,

@@ -21,13 +21,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from lmcache.errors import resolved
 from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation, pool_bytes
 from lmcache.v1.request import TIER_NAMES, tier_names
 from lmcache.v1.stats import CacheStats
-from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend
+from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
