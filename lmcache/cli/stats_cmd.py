@@ -46,7 +46,7 @@ def find_instances(socket_dir: str) -> dict[str, list[str]]:
 
 def run_stats(args: argparse.Namespace) -> int:
     from lmcache.integration.vllm.lookup_service import LookupClient
-    from lmcache.integration.vllm.utils import default_socket_dir
+    from lmcache.integration.vllm.naming import default_socket_dir
     from lmcache.observability.snapshot import merge_rank_snapshots
 
     if args.socket:

@@ -587,7 +587,7 @@ def test_lookup_service_round_trip(mini, monkeypatch):
         assert dispatcher.lookup(base, {"cache_salt": "s"}) == cached
         assert dispatcher.lookup(base, {}) == 0
         assert dispatcher.used_socket
-        monkeypatch.setattr("lmcache.integration.vllm.utils.engine_for", lambda *_: None)
+        monkeypatch.setattr("lmcache.integration.vllm.stats_registry.engine_for", lambda *_: None)
         stats = vutils.collect_stats(settings_.engine_id, socket_dir=settings_.socket_dir)
         assert stats["stored_tokens"] == cached and stats["lookup_hit_tokens"] >= cached
     finally:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
-from lmcache.integration.vllm.utils import default_socket_dir, instance_id
+from lmcache.integration.vllm.naming import default_socket_dir, instance_id
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.factory import create_gpu_connector

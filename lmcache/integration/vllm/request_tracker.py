@@ -40,7 +40,8 @@ import numpy as np
 
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
 from lmcache.integration.vllm.kv_groups import WindowRule
-from lmcache.integration.vllm.utils import failure_logger, request_key_extras, slot_mapping
+from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.request_inputs import request_key_extras, slot_mapping
 
 logger = logging.getLogger(__name__)
 

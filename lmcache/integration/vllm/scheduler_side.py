@@ -24,13 +24,9 @@ from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupClient
 from lmcache.integration.vllm.metadata_builder import AdapterSettings
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
-from lmcache.integration.vllm.utils import (
-    failure_logger,
-    engine_for,
-    register_scheduler_stats,
-    socket_path,
-    unregister_scheduler_stats,
-)
+from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.naming import engine_for, socket_path
+from lmcache.integration.vllm.stats_registry import register_scheduler_stats, unregister_scheduler_stats
 
 from lmcache.v1.request import KEY_EXTRA_NAMES
 

@@ -40,6 +40,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
+from lmcache.integration.vllm.stats_registry import register_ec_stats
 from lmcache.log_once import LogOnce
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, load_ec_engine_config
 from lmcache.v1.ec_engine import ECCacheEngine, ECStats
@@ -111,6 +112,9 @@ def ec_connector_stats() -> dict[str, int]:
     scheduler's ``has_cache_item`` answers, ``puts`` the encoder outputs stored.
     """
     return _PROCESS_STATS.snapshot()
+
+
+register_ec_stats(ec_connector_stats)  # the KV connector's metrics and collect_stats report them
 
 
 def flush_ec_engines(timeout: float | None = None) -> bool:

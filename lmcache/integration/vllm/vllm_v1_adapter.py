@@ -49,7 +49,9 @@ from lmcache.integration.vllm.kv_groups import UnsupportedModelError
 from lmcache.integration.vllm.lookup_service import LookupServer
 from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
-from lmcache.integration.vllm.utils import failure_logger, instance_id, process_snapshot, socket_path
+from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.naming import instance_id, socket_path
+from lmcache.integration.vllm.stats_registry import process_snapshot
 from lmcache.integration.vllm.worker_side import WorkerConnector
 from lmcache.observability.logs import setup_logging, startup_line
 from lmcache.observability.metrics import StatsDelta

@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
-from lmcache.integration.vllm.utils import failure_logger, blocks_of_tokens, ordered_layers
+from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.layer_order import ordered_layers
+from lmcache.integration.vllm.request_inputs import blocks_of_tokens
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.gpu_connector.layouts import detect_layout
 
