@@ -18,6 +18,10 @@ model: venv
 test: venv
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
+# unit, property and tier tests without vLLM engine starts or multi-process crash/cluster/ASan runs
+test-fast: venv
+	$(PY) -m pytest -q -rs -m "not slow and not vllm" $(PYTEST_ARGS)
+
 demo: model
 	$(PY) examples/vllm_demo.py
 

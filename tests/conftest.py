@@ -1,4 +1,11 @@
-"""Suite-wide settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLLM."""
+"""Suite-wide settings and shared fixtures.
+
+Settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLLM.
+Fixtures every test module may request by name (no import needed): ``redis_server``,
+``redis_server_factory``, ``redis_cluster`` and ``redis_cluster_module``
+(:mod:`tests.redis_fixtures`), and ``tiny_llama_dir`` (:mod:`tests.vllm_utils`).
+``tests`` is a package: helpers are imported as ``from tests.<module> import ...``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,12 @@ import importlib.util
 import os
 
 import pytest
+
+from tests.redis_fixtures import redis_cluster, redis_cluster_module, redis_server, redis_server_factory
+from tests.vllm_utils import tiny_llama_dir
+
+SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_server_factory, tiny_llama_dir)
+"""Collected by pytest from this module's namespace."""
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -6,10 +6,8 @@ temporary directory with persistence off, and are stopped by pid. Readiness is
 polled with a deadline, never assumed after a sleep. Without ``redis-server`` the
 fixtures skip the test with a reason.
 
-Use from a test module (the tests directory is not a package)::
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from redis_fixtures import redis_server, redis_cluster  # noqa: F401 (pytest fixtures)
+The fixtures are registered for every test module by ``tests/conftest.py``: request
+them by name. The classes are imported as ``from tests.redis_fixtures import RedisServer``.
 
 ``redis_server`` is a fresh :class:`RedisServer` per test; ``redis_cluster`` is one
 :class:`RedisClusterProcs` per module (flushed before each test that uses it).

@@ -632,7 +632,5 @@ def _child_main(spec_path: str, out_path: str) -> None:
     os._exit(0)
 
 
-if __name__ == "__main__":
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+if __name__ == "__main__":  # run_vllm's child: PYTHONPATH holds the repository
     _child_main(sys.argv[1], sys.argv[2])

@@ -17,9 +17,6 @@ from lmcache.observability.snapshot import engine_snapshot
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the shared fixtures
-from redis_fixtures import redis_server  # noqa: E402,F401
-
 REPO = Path(__file__).resolve().parents[2]
 SPEC = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=64, block_size=16)
 CHUNK = 16

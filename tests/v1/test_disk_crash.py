@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from lmcache.v1.config import LMCacheEngineConfig
@@ -24,6 +25,8 @@ from lmcache.v1.memory_management import PoolAllocator
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+pytestmark = pytest.mark.slow  # writer processes killed mid-store, several rounds
 
 SHAPE = (2, 8, 64, 512)  # fp16: 1 MiB per entry
 ROUNDS = 6

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,8 +28,6 @@ from lmcache.integration.vllm.vllm_ec_adapter import (  # noqa: E402
     ec_connector_stats,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_fixtures import redis_server  # noqa: E402,F401 (pytest fixture)
 
 from lmcache.v1.config import load_ec_engine_config  # noqa: E402
 from lmcache.v1.ec_engine import ECCacheEngine  # noqa: E402

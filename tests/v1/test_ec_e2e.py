@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve()
-TESTS_DIR = HERE.parent.parent
+REPO = HERE.parents[2]
 RESULT_PREFIX = "EC_E2E_RESULT "
 IMAGES = {"A": 1, "B": 2}  # name -> image seed
 MAX_TOKENS = 12
@@ -47,8 +47,7 @@ def _images_encoded(model) -> int:
 
 def child_main(model_dir: str, mode: str, names: list[str]) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.path.insert(0, str(TESTS_DIR))
-    from vlm_utils import llava_prompt, make_image
+    from tests.vlm_utils import llava_prompt, make_image
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -107,8 +106,7 @@ def _run_child(model_dir: Path, mode: str, names: list[str], env: dict[str, str]
 def test_second_process_reuses_encoder_output_with_identical_tokens(tmp_path):
     pytest.importorskip("vllm")
     pytest.importorskip("PIL")
-    sys.path.insert(0, str(TESTS_DIR))
-    from vlm_utils import build_tiny_llava
+    from tests.vlm_utils import build_tiny_llava
 
     model_dir = build_tiny_llava(tmp_path / "tiny-llava")
     disk = tmp_path / "ec-disk"
@@ -119,6 +117,7 @@ def test_second_process_reuses_encoder_output_with_identical_tokens(tmp_path):
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),  # the child imports tests.*
         LMCACHE_EC_LOCAL_DISK=str(disk),
         LMCACHE_EC_MAX_LOCAL_DISK_SIZE="0.25",
         LMCACHE_EC_MAX_LOCAL_CPU_SIZE="0.0625",

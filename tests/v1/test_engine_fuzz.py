@@ -34,9 +34,9 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import native
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_engine, random_kv_caches
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine_roundtrip import token_vectors  # noqa: E402
-from test_native_bounds import _cxx, asan_build, build  # noqa: E402
+from tests.native_build import cxx
+from tests.v1.test_engine_roundtrip import token_vectors
+from tests.v1.test_native_bounds import asan_build, build
 
 REPO = Path(__file__).resolve().parents[2]
 USE_ENV_LIB = os.environ.get("LMCACHE_FUZZ_ENV_LIB") == "1"  # set by the ASan rerun
@@ -86,7 +86,7 @@ def checked_kernels(tmp_path_factory):
         assert k is not None and k.path == os.environ["LMCACHE_NATIVE_LIB"], "LMCACHE_NATIVE_LIB did not load"
         yield k
         return
-    if _cxx() is None:
+    if cxx() is None:
         pytest.skip("no C++ compiler")
     path = build(tmp_path_factory.mktemp("fuzzlib") / "checked.so", "-O1", "-DLMC_BOUNDS_CHECK")
     k = native.load_library(path)
@@ -198,8 +198,13 @@ def _mutate(kind: str, g: Geometry, tokens, mask, kw: dict):
             kv[i] = kv[i].view(torch.uint8) if kv[i].element_size() == 1 else kv[i].to(torch.float64)
         elif kind == "layer_transposed":
             kv[i] = kv[i].transpose(0, 1).contiguous().transpose(0, 1)  # same shape, other strides
-            if kv[i].stride() == kv[0].stride():
-                kv[i] = kv[i][..., :1]  # degenerate dims: force another shape instead
+
+            def order(t: torch.Tensor) -> list[int]:  # strides that matter (a size-1 dim has none)
+                return [st for st, size in zip(t.stride(), t.shape) if size > 1]
+
+            if order(kv[i]) == order(kv[0]):  # degenerate dims: another last dim instead
+                t = kv[i]
+                kv[i] = t[..., :1] if t.shape[-1] > 1 else t.unsqueeze(-1).expand(*t.shape, 2)[..., 0, :]
         elif kind == "layer_count":
             kv = kv + [kv[0]]
         elif kind == "layer_not_tensor":
@@ -303,6 +308,7 @@ def test_public_api_fuzz(checked_kernels, data):
         engine.close()
 
 
+@pytest.mark.slow
 def test_fuzz_under_asan(tmp_path):
     """The same fuzz in a subprocess against an ASan + UBSan build (fewer examples)."""
     if USE_ENV_LIB:
@@ -312,7 +318,6 @@ def test_fuzz_under_asan(tmp_path):
         LMCACHE_NATIVE_LIB=str(lib),
         LMCACHE_FUZZ_ENV_LIB="1",
         LMCACHE_FUZZ_EXAMPLES="60",
-        PYTHONPATH=str(REPO),
     )
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "test_public_api_fuzz"],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ from hypothesis import strategies as st
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import get_layout
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, random_kv_caches
+from tests.native_build import build_cpu_kernels, child_env, cxx
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "csrc" / "paged_copy.cpp"
@@ -39,17 +39,9 @@ GUARD = int(os.environ.get("LMCACHE_TEST_GUARD_BYTES", "256"))
 SENTINEL = 0xA5
 
 
-def _cxx() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-
-
 def build(out: Path, *flags: str) -> Path:
-    cxx = _cxx()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-pthread", "-g", *flags, str(SOURCE), "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-    return out
+    """The CPU kernels with setup.py's flags plus ``flags`` (see :mod:`tests.native_build`)."""
+    return build_cpu_kernels(out, *flags)
 
 
 @pytest.fixture(scope="module", params=["simd", "scalar"])
@@ -206,9 +198,8 @@ def test_release_build_guards_random_shapes():
 
 _ASAN_DRIVER = """
 import random, sys
-sys.path.insert(0, {tests!r})
 from lmcache.v1.gpu_connector import native
-from test_native_bounds import run_case
+from tests.v1.test_native_bounds import run_case
 k = native.load_library(sys.argv[1])
 rnd = random.Random(int(sys.argv[2]))
 for _ in range(int(sys.argv[3])):
@@ -220,17 +211,16 @@ print("ok")
 def asan_build(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """An ASan + UBSan build of the CPU kernels and the environment that loads it in a
     subprocess (libasan preloaded; halt on the first error). Skips without a compiler or libasan."""
-    cxx = _cxx()
-    if cxx is None:
+    compiler = cxx()
+    if compiler is None:
         pytest.skip("no C++ compiler")
-    found = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
+    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
     libasan = found.stdout.strip()
     if not os.path.isabs(libasan) or not os.path.exists(libasan):
         pytest.skip("libasan is not available")
     lib = build(tmp_path / "asan.so", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                 "-fno-omit-frame-pointer")
-    env = dict(
-        os.environ,
+    env = child_env(
         LD_PRELOAD=libasan,
         ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
         UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
@@ -238,13 +228,14 @@ def asan_build(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return lib, env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ["default", "avx2", "sse2"])
 def test_asan_ubsan_build_random_shapes(tmp_path, isa):
     lib, env = asan_build(tmp_path)
     env["LMCACHE_TEST_GUARD_BYTES"] = "0"
     if isa != "default":
         env["LMCACHE_NATIVE_ISA"] = isa
-    driver = _ASAN_DRIVER.format(tests=str(Path(__file__).parent))
+    driver = _ASAN_DRIVER
     out = subprocess.run(
         [sys.executable, "-c", driver, str(lib), "7", "40"],
         env=env,

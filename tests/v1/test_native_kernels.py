@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry, get_layout
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_connector, random_kv_caches, random_slot_mapping
+from tests.native_build import build_cpu_kernels, build_cuda_kernels, child_env, cxx
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 BLOCK_SIZES = (16, 32, 128)
@@ -220,8 +220,7 @@ def test_capped_isa_and_scalar_paths_match(lib_path, tmp_path, isa):
     script = "\n".join(
         [
             "import sys, torch",
-            f"sys.path.insert(0, {str(Path(__file__).parent)!r})",
-            "from test_native_kernels import *",
+            "from tests.v1.test_native_kernels import *",
             "for layout in LAYOUT_NAMES:",
             "  for dtype in DTYPES:",
             "   for block_size, head_size in ((16, 24), (32, 40)):",
@@ -234,27 +233,10 @@ def test_capped_isa_and_scalar_paths_match(lib_path, tmp_path, isa):
             "print('ok')",
         ]
     )
-    env = dict(os.environ, LMCACHE_NATIVE_ISA=isa)
+    env = child_env(LMCACHE_NATIVE_ISA=isa)
     builds = [lib_path]
-    cxx = shutil.which("c++") or shutil.which("g++")
-    if cxx:
-        scalar = tmp_path / "scalar.so"
-        subprocess.run(
-            [
-                cxx,
-                "-O1",
-                "-std=c++17",
-                "-shared",
-                "-fPIC",
-                "-pthread",
-                "-DLMC_NO_SIMD",
-                str(REPO / "csrc/paged_copy.cpp"),
-                "-o",
-                str(scalar),
-            ],
-            check=True,
-        )
-        builds.append(str(scalar))
+    if cxx():
+        builds.append(str(build_cpu_kernels(tmp_path / "scalar.so", "-O1", "-DLMC_NO_SIMD")))
     for build in builds:
         out = subprocess.run(
             [sys.executable, "-c", script, build], env=env, capture_output=True, text=True, timeout=300, check=False
@@ -441,26 +423,8 @@ def cuda_kernels(lib_path, tmp_path_factory) -> native.NativeKernels:
         pytest.skip("CUDA is not available")
     path = native.CUDA_LIBRARY
     if not path.exists():
-        nvcc = shutil.which("nvcc")
-        if nvcc is None:
-            pytest.skip("the CUDA kernels are not built and nvcc is missing")
         major, minor = torch.cuda.get_device_capability()
-        path = tmp_path_factory.mktemp("cuda") / "_c_ops_cuda.so"
-        subprocess.run(
-            [
-                nvcc,
-                "-O3",
-                "-std=c++17",
-                "-shared",
-                "-Xcompiler",
-                "-fPIC",
-                f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}",
-                str(REPO / "csrc/paged_copy_cuda.cu"),
-                "-o",
-                str(path),
-            ],
-            check=True,
-        )
+        path = build_cuda_kernels(tmp_path_factory.mktemp("cuda") / "_c_ops_cuda.so", f"{major}{minor}")
     k = native.load_library(lib_path, path)
     assert k.has_cuda
     return k

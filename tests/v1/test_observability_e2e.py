@@ -23,7 +23,7 @@ import time
 import pytest
 
 from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
-from tests.vllm_utils import REPO_ROOT, tiny_llama_dir, vllm_available  # noqa: F401
+from tests.vllm_utils import REPO_ROOT, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the shared fixtures
-from redis_fixtures import RedisServer, redis_server, redis_server_factory  # noqa: E402,F401
+from tests.native_build import child_env
+from tests.redis_fixtures import RedisServer
 
 from lmcache.utils import CacheEngineKey, LayerCacheEngineKey  # noqa: E402
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig  # noqa: E402
@@ -350,7 +349,7 @@ def store_shared_prompt(url: str) -> list[torch.Tensor]:
 
 def retrieve_in_fresh_process(url: str, out: Path) -> dict:
     """Engine B in a new interpreter; returns its JSON report."""
-    env = dict(os.environ, PYTHONHASHSEED="123")  # key hashes must not depend on it
+    env = child_env(PYTHONHASHSEED="123")  # key hashes must not depend on it
     res = subprocess.run(
         [sys.executable, __file__, "retrieve", url, str(out)],
         capture_output=True, text=True, timeout=300, env=env,

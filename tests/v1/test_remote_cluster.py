@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
+import pytest
 import redis
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the shared fixtures
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from redis_fixtures import RedisClusterProcs, redis_cluster, redis_cluster_module  # noqa: E402,F401
-from test_remote_backend import (  # noqa: E402
+from tests.redis_fixtures import RedisClusterProcs
+from tests.v1.test_remote_backend import (
     FLUSH_S,
     SHARE_TOKENS,
     assert_shared_kv_identical,
@@ -23,6 +20,8 @@ from test_remote_backend import (  # noqa: E402
     retrieve_in_fresh_process,
     store_shared_prompt,
 )
+
+pytestmark = pytest.mark.slow  # a real 3-master Redis Cluster per module
 
 FAST = {"remote_backoff_initial": 0.05, "remote_backoff_max": 0.5}
 

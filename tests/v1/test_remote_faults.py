@@ -7,20 +7,16 @@ plus generous slack for a loaded 2-core machine: they prove "no hang", not speed
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the shared fixtures
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from redis_fixtures import RedisServer, redis_server, redis_server_factory  # noqa: E402,F401
-from test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of  # noqa: E402
+from tests.redis_fixtures import RedisServer
+from tests.v1.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of
 
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff  # noqa: E402

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the shared fixtures
-from redis_fixtures import redis_server  # noqa: E402,F401
 
 from lmcache.utils import CacheEngineKey  # noqa: E402
 from lmcache.v1.storage_backend.remote_backend import MAX_PLAIN_KEY  # noqa: E402

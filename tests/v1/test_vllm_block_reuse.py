@@ -10,14 +10,7 @@ import random
 
 import pytest
 
-from tests.vllm_utils import (  # noqa: F401 - tiny_llama_dir is a fixture
-    VLLMRun,
-    reuse_report,
-    run_vllm,
-    shared_prefix_prompts,
-    tiny_llama_dir,
-    vllm_available,
-)
+from tests.vllm_utils import VLLMRun, reuse_report, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, tiny_llama_dir, vllm_available  # noqa: F401
+from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -8,15 +8,10 @@ local disk tier (one directory) and the remote tier (a real redis-server).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, tiny_llama_dir, vllm_available  # noqa: F401
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the redis fixtures
-from redis_fixtures import redis_server  # noqa: E402,F401
+from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
