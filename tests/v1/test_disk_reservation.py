@@ -211,6 +211,7 @@ _REGROW_CHILD = textwrap.dedent(
     """
     import json, os, sys, torch
     import lmcache.v1.storage_backend.local_disk_backend as ldb
+    import lmcache.v1.storage_backend.disk_writer as disk_writer
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_management import MemoryFormat, PoolAllocator
@@ -234,7 +235,7 @@ _REGROW_CHILD = textwrap.dedent(
         put(i)
     out = {"lowered": disk.capacity_bytes, "after_full": len(disk)}
     os.unlink(ballast)  # the other user frees its space
-    ldb._REGROW_INTERVAL = 0.0  # check the free space at the next write (normally every 5 s)
+    disk_writer._REGROW_INTERVAL = 0.0  # check the free space at the next write (normally every 5 s)
     for i in range(10, 40):
         put(i)
     good = 0

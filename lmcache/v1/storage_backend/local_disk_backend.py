@@ -9,17 +9,23 @@ A read checks size, header, full key and payload checksum; any failure is a miss
 the bad file is deleted and counted. A restart rebuilds the index from file headers
 alone (:mod:`lmcache.v1.storage_backend.disk_index`).
 
+This module is the tier contract (:class:`LocalDiskBackend`: lookups, pins, reads,
+removal, flush/close) plus start-up (directory checks, index rebuild, the O_DIRECT
+probe). The write half (booking, the write queue, writer threads, directory fsyncs,
+disk-full handling) is :mod:`lmcache.v1.storage_backend.disk_writer`.
+
 Threads: ``submit_put`` reserves the entry's space (evicting in policy order, all or
-nothing; a writer unlinks the evicted files before its next write) and queues the write (bounded; a full queue drops the write and counts it);
-``write_threads`` workers do the I/O. Because space is booked when a write is
-submitted, ``contains`` never promises an entry that a queued write will evict when it
-lands: the indexed entries and the queued ones fit the capacity together, and a queued
-entry is served from its memory object until its file exists. ``get_non_blocking``
-runs reads on ``read_threads`` reader threads. Runtime failures never raise into the
-engine: a full filesystem (ENOSPC and the like) lowers the tier's effective capacity to
-what the filesystem gives, evicts its own entries to fit and keeps caching (the
-capacity grows back, up to ``max_local_disk_size``, when space frees up); a permission
-error or a removed directory disables the tier. Each is logged once.
+nothing; a writer unlinks the evicted files before its next write) and queues the write
+(bounded; a full queue drops the write and counts it); ``write_threads`` workers do the
+I/O. Because space is booked when a write is submitted, ``contains`` never promises an
+entry that a queued write will evict when it lands: the indexed entries and the queued
+ones fit the capacity together, and a queued entry is served from its memory object
+until its file exists. ``get_non_blocking`` runs reads on ``read_threads`` reader
+threads. Runtime failures never raise into the engine: a full filesystem (ENOSPC and
+the like) lowers the tier's effective capacity to what the filesystem gives, evicts its
+own entries to fit and keeps caching (the capacity grows back, up to
+``max_local_disk_size``, when space frees up); a permission error or a removed
+directory disables the tier. Each is logged once.
 
 Options (``extra_config``): :class:`DiskTierOptions` (keys, types, defaults and bounds
 in its fields; tabled in docs/configuration.md).
@@ -30,15 +36,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import torch
 
 from lmcache.log_once import LogOnce
 from lmcache.v1.keys import CacheEngineKey
@@ -52,16 +55,13 @@ from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
     PAGE,
     entry_file_name,
-    entry_header,
     o_direct_supported,
     read_entry,
     read_header,
-    remove_quiet,
-    temp_file_name,
-    write_entry,
 )
 from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
-from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader, header_size
+from lmcache.v1.storage_backend.disk_writer import DiskWriter
+from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,6 @@ EXTRA_QUEUE_DEPTH = "local_disk_queue_depth"
 EXTRA_CLOSE_TIMEOUT = "local_disk_close_timeout"
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]+")
-_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
-_GONE = {errno.ENOENT, errno.ENOTDIR}
-_SYNC_BATCH = 64  # renames between directory fsyncs while the queue stays busy
-_REGROW_INTERVAL = 5.0  # seconds between free-space checks while the capacity is lowered
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,21 +143,6 @@ class DiskTierStats(Counters):
     """Entry files written by another process after start-up, found on lookup."""
 
 
-@dataclass(slots=True, eq=False)
-class _PendingWrite:
-    """A put between ``submit_put`` and its rename (holds one reference to ``obj`` and
-    a booking of ``size`` bytes in the index)."""
-
-    key: CacheEngineKey
-    key_str: str
-    obj: MemoryObj
-    seq: int
-    size: int
-    pins: int = 0
-    cancelled: bool = False
-    finished: bool = False
-
-
 class LocalDiskBackend(StorageBackend):
     """Entries on a local filesystem, surviving restarts, verified on every read.
 
@@ -175,6 +155,9 @@ class LocalDiskBackend(StorageBackend):
     done (so the caller may drop its own at once); a read allocates from
     ``memory`` (the CPU pool, given by the StorageManager) and returns an object with one reference owned by
     the caller. Puts still in the queue are served from their memory object.
+
+    Writes: one :class:`~lmcache.v1.storage_backend.disk_writer.DiskWriter`, created and
+    closed by the tier, shares its lock and index (its ``pending`` queued puts are read here).
     """
 
     tier = "disk"
@@ -190,21 +173,13 @@ class LocalDiskBackend(StorageBackend):
         self.stats = DiskTierStats()
         _prepare_directory(self.options.root, self.directory, config.local_disk)
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._sync_lock = threading.Lock()
         self._index = DiskIndex(self.options.capacity_bytes, make_policy(self.options.cache_policy))
-        self._lowered_at: float | None = None  # monotonic time the capacity was last lowered (disk full)
-        self._pending: dict[CacheEngineKey, _PendingWrite] = {}
-        self._doomed: set[str] = set()  # files of entries evicted at submit, not yet unlinked
-        self._unwritten: set[int] = set()  # seqs queued or being written
-        self._to_sync: list[int] = []  # seqs renamed since the last directory fsync
-        self._seq = 0
         self._disabled: str | None = None
         self._closed = False
         self._logged = LogOnce(logger)
         try:
             self._owner = OwnerLock(self.directory)
-            self._dir_fd = open_private_dir(self.directory, create=False, what="disk cache directory")
+            dir_fd = open_private_dir(self.directory, create=False, what="disk cache directory")
             self._load_index()
         except OSError as exc:
             raise ConfigError(
@@ -213,13 +188,7 @@ class LocalDiskBackend(StorageBackend):
             ) from None
         self._check_free_space()
         self._o_direct = self.options.o_direct and self._probe_o_direct()
-        self._queue: queue.Queue[_PendingWrite | None] = queue.Queue(maxsize=self.options.queue_depth)
-        self._writers = [
-            threading.Thread(target=self._write_loop, name=f"lmcache-disk-write-{i}", daemon=True)
-            for i in range(self.options.write_threads)
-        ]
-        for t in self._writers:
-            t.start()
+        self._writer = DiskWriter(self, dir_fd)  # starts the writer threads; owns dir_fd from here
         self._readers = ThreadPoolExecutor(self.options.read_threads, thread_name_prefix="lmcache-disk-read")
 
     # ------------------------------------------------------------------ start-up
@@ -314,7 +283,7 @@ class LocalDiskBackend(StorageBackend):
         with self._lock:
             if self._closed or self._disabled:
                 return False
-            pending = self._pending.get(key)
+            pending = self._writer.pending.get(key)
             if pending is not None:
                 pending.pins += pin
                 return True
@@ -341,7 +310,7 @@ class LocalDiskBackend(StorageBackend):
                     return n
                 while n < len(keys):
                     n = self._index.prefix(keys, n)
-                    if n == len(keys) or keys[n] not in self._pending:
+                    if n == len(keys) or keys[n] not in self._writer.pending:
                         break
                     n += 1
             if n == len(keys) or not self._discover(keys[n]):
@@ -360,7 +329,7 @@ class LocalDiskBackend(StorageBackend):
         """
         key_str = key.to_string()
         name = entry_file_name(key_str)
-        if name in self._doomed:  # evicted, file not yet unlinked (a racy read is harmless: checked again below)
+        if name in self._writer.doomed:  # evicted, file not yet unlinked (a racy read is harmless: checked again below)
             return False
         try:
             header, st = read_header(os.path.join(self.directory, name))
@@ -371,9 +340,9 @@ class LocalDiskBackend(StorageBackend):
         with self._lock:
             if self._closed or self._disabled:
                 return False
-            if key in self._index or key in self._pending:
+            if key in self._index or key in self._writer.pending:
                 return True
-            if name in self._doomed:
+            if name in self._writer.doomed:
                 return False
             evicted = self._index.reserve(st.st_size)
             if evicted is None:
@@ -389,7 +358,7 @@ class LocalDiskBackend(StorageBackend):
 
     def unpin(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            pending = self._pending.get(key)
+            pending = self._writer.pending.get(key)
             if pending is not None:
                 pending.pins = max(0, pending.pins - 1)
                 return True
@@ -411,68 +380,14 @@ class LocalDiskBackend(StorageBackend):
         its head (its tail is unreachable without it anyway) and the rest is dropped
         and counted; writes are queued tail first, so the head lands last and is the
         most recent entry. Entries already on disk are only touched (tail first)."""
-        assert len(keys) == len(objs)
-        self._maybe_regrow()  # also here: a tier shrunk below one entry queues no writes to check it
-        booked: list[_PendingWrite] = []
-        victims: list[DiskEntry] = []
-        with self._lock:
-            if self._closed or self._disabled:
-                return
-            for key in reversed(keys):
-                self._index.touch(key)
-            room = self.options.queue_depth - self._queue.qsize()  # only we add, under the lock
-            seen: set[CacheEngineKey] = set()
-            for i, (key, obj) in enumerate(zip(keys, objs)):
-                if key in self._pending or key in self._index or key in seen:
-                    continue
-                seen.add(key)
-                key_str = key.to_string()
-                size = header_size(key_str, len(obj.meta.shape), PAGE) + obj.get_size()
-                if size > self._index.capacity:
-                    self.stats.add(puts_rejected_too_large=len(keys) - i)
-                    self._log_once(
-                        logging.WARNING,
-                        "too-large",
-                        "lmcache disk tier: entry of %d bytes is larger than the tier (%d bytes); not stored",
-                        size,
-                        self._index.capacity,
-                    )
-                    break
-                if len(booked) >= room:
-                    self._drop_queue_full(len(keys) - i)
-                    break
-                evicted = self._index.reserve(size)
-                if evicted is None:
-                    self.stats.add(puts_rejected_no_space=len(keys) - i)
-                    break
-                victims += [entry for _, entry in evicted]
-                self._seq += 1
-                booked.append(_PendingWrite(key, key_str, obj, self._seq, size))
-            self._doomed.update(v.name for v in victims)  # unlinked by a writer, before its next write
-            for item in reversed(booked):
-                item.obj.ref_count_up()
-                self._queue.put_nowait(item)  # room was checked above
-                self._pending[item.key] = item
-                self._unwritten.add(item.seq)
-        if booked or victims:
-            self.stats.add(puts_accepted=len(booked), evictions=len(victims))
-        self._notify("removed", [v.key for v in victims])
-
-    def _drop_queue_full(self, count: int) -> None:
-        self.stats.add(puts_dropped_queue_full=count)
-        self._log_once(
-            logging.WARNING,
-            "queue-full",
-            "lmcache disk tier: write queue full (%d entries); dropping writes until it drains",
-            self.options.queue_depth,
-        )
+        self._writer.submit(keys, objs)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         """Read ``key`` into a new CPU-pool object (caller owns its reference); None on a miss."""
         with self._lock:
             if self._closed or self._disabled:
                 return None
-            pending = self._pending.get(key)
+            pending = self._writer.pending.get(key)
             if pending is not None:
                 pending.obj.ref_count_up()
                 self.stats.add(hits=1)
@@ -496,7 +411,7 @@ class LocalDiskBackend(StorageBackend):
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
         """Future of :meth:`get_blocking`, read on a reader thread (a known miss resolves at once)."""
         with self._lock:
-            known = not (self._closed or self._disabled) and (key in self._pending or key in self._index)
+            known = not (self._closed or self._disabled) and (key in self._writer.pending or key in self._index)
         if not known and not self._discover(key):
             self.stats.add(misses=1)
             return resolved(None)
@@ -507,7 +422,7 @@ class LocalDiskBackend(StorageBackend):
 
     def remove(self, key: CacheEngineKey) -> bool:
         with self._lock:
-            pending = self._pending.pop(key, None)
+            pending = self._writer.pending.pop(key, None)
             if pending is not None:
                 pending.cancelled = True
             entry = self._index.pop(key)
@@ -523,16 +438,7 @@ class LocalDiskBackend(StorageBackend):
         Returns False if ``timeout`` seconds passed first. Puts that failed or were
         dropped count as finished.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            target = self._seq
-            while self._unwritten and min(self._unwritten) <= target:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-        self._sync_dir()
-        return True
+        return self._writer.flush(timeout)
 
     def close(self) -> None:
         """Finish queued writes (up to ``local_disk_close_timeout``), stop the threads. Idempotent."""
@@ -542,18 +448,8 @@ class LocalDiskBackend(StorageBackend):
             self._closed = True
         if not self.flush(self.options.close_timeout):
             logger.warning("lmcache disk tier %s: close timed out; unfinished writes are dropped", self.directory)
-        with self._lock:
-            for item in self._pending.values():
-                item.cancelled = True
-        for _ in self._writers:
-            self._queue.put(None)  # behind the remaining items, which see ``cancelled``
-        for t in self._writers:
-            t.join(self.options.close_timeout)
-        self._reap()
+        self._writer.close()
         self._readers.shutdown(wait=True, cancel_futures=True)
-        with self._sync_lock:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
         self._owner.release()
 
     # ------------------------------------------------------------------ reads
@@ -614,188 +510,6 @@ class LocalDiskBackend(StorageBackend):
         if dropped:
             self._notify("removed", [entry.key])
 
-    # ------------------------------------------------------------------ writes
-    def _reap(self) -> None:
-        """Unlink the files of entries evicted by ``submit_put`` (writer thread).
-
-        One file per lock hold, so lookups wait for at most one unlink; a name that a
-        new write of the same key renamed into place meanwhile is not in the set any
-        more (the rename removed it), so a live file is never deleted."""
-        while True:
-            with self._lock:
-                if not self._doomed:
-                    return
-                self._unlink(self._doomed.pop())
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            self._reap()
-            if item is None:
-                return
-            try:
-                self._write_one(item)
-            except Exception:  # a bug must not kill the writer thread; the entry is just not stored
-                logger.exception("lmcache disk tier: unexpected error writing an entry")
-                with self._lock:
-                    self._finish_locked(item)
-            if self._queue.empty():
-                self._sync_dir()
-
-    def _write_one(self, item: _PendingWrite, retry_when_full: bool = True) -> None:
-        """Write a temp file, rename it into place, index it. Runs on a writer thread.
-
-        The space was reserved by :meth:`submit_put`; every way out commits or releases
-        that booking. A full filesystem lowers the capacity (evicting to fit) and, if
-        the entry still fits, the write is tried once more."""
-        name = entry_file_name(item.key_str)
-        with self._lock:
-            if item.cancelled or self._disabled:
-                self._index.release(item.size)
-                self._finish_locked(item)
-                return
-        self._maybe_regrow()
-        payload = item.obj.byte_array
-        tmp = os.path.join(self.directory, temp_file_name(name, self._owner.token, item.seq))
-        try:
-            header = entry_header(item.key_str, item.obj.meta, payload)  # ValueError: dtype not storable
-            self._write_file(tmp, header, payload)
-            with self._lock:
-                if item.cancelled or self._disabled:
-                    remove_quiet(tmp)
-                    self._index.release(item.size)
-                    self._finish_locked(item)
-                    return
-                self._doomed.discard(name)  # an older file of this key, evicted but not yet unlinked, is replaced
-                os.rename(tmp, os.path.join(self.directory, name))
-                entry = DiskEntry(item.key, name, item.obj.meta, len(header), item.size)
-                self._index.commit(item.key, entry, item.size, item.size, pins=item.pins)
-                self._to_sync.append(item.seq)
-                self.stats.add(writes_completed=1, bytes_written=item.size)
-                self._finish_locked(item)
-            self._notify("stored", [item.key])
-        except (OSError, ValueError) as exc:
-            remove_quiet(tmp)  # write_entry removed its own partial file; this covers a failed rename
-            if isinstance(exc, OSError) and exc.errno in _FULL and not item.cancelled:
-                if self._on_disk_full(exc, item) and retry_when_full:
-                    self._write_one(item, retry_when_full=False)
-                    return
-            else:
-                self._on_write_error(exc)
-            self.stats.add(write_errors=1)
-            with self._lock:
-                self._index.release(item.size)
-                self._finish_locked(item)
-
-    # ------------------------------------------------------------------ disk full
-    def _fs_room(self) -> int | None:
-        """Bytes this tier can hold on its filesystem now: its files plus the free space,
-        less a page per writer thread (slack for file-system overhead); None if unknown."""
-        try:
-            st = os.statvfs(self.directory)
-        except OSError:
-            return None
-        return self._index.used + st.f_bavail * st.f_frsize - PAGE * self.options.write_threads
-
-    def _on_disk_full(self, exc: OSError, item: _PendingWrite) -> bool:
-        """Lower the capacity to what the filesystem gives and evict to fit it.
-
-        Returns True if ``item`` (whose booking is still held) fits the lowered capacity,
-        i.e. a retry may succeed. Never raises."""
-        self.stats.add(disk_full_events=1)
-        self._reap()  # evicted files still on disk would make the room look smaller than it is
-        room = self._fs_room()
-        with self._lock:
-            old = self._index.capacity
-            new = max(PAGE, min(old, room if room is not None else self._index.used))
-            self._index.capacity = new
-            self._lowered_at = time.monotonic()
-            victims = [entry for _, entry in self._index.shrink_to_capacity()]
-            for victim in victims:
-                self._unlink(victim.name)
-            fits = self._index.used + self._index.reserved <= new
-        if victims:
-            self.stats.add(evictions=len(victims))
-            self._notify("removed", [v.key for v in victims])
-        self._log_once(
-            logging.WARNING,
-            "full",
-            "lmcache disk tier %s: filesystem full (%s); capacity lowered from %.3f to %.3f GiB "
-            "(%d entries evicted) and caching goes on",
-            self.directory,
-            exc.strerror,
-            old / GiB,
-            new / GiB,
-            len(victims),
-        )
-        return fits
-
-    def _maybe_regrow(self) -> None:
-        """While the capacity is lowered, grow it back (up to the configured size) as
-        the filesystem frees up; checked at most every few seconds (one statvfs), on
-        submits and before writes."""
-        lowered = self._lowered_at
-        if lowered is None or time.monotonic() - lowered < _REGROW_INTERVAL:
-            return
-        room = self._fs_room()
-        with self._lock:
-            self._lowered_at = time.monotonic()
-            if room is None or room <= self._index.capacity:
-                return
-            self._index.capacity = min(self.options.capacity_bytes, room)
-            if self._index.capacity >= self.options.capacity_bytes:
-                self._lowered_at = None
-
-    def _write_file(self, path: str, header: bytes, payload: torch.Tensor) -> None:
-        if self._o_direct:
-            try:
-                write_entry(path, header, payload, o_direct=True)
-                return
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                self._stop_o_direct(exc)
-        write_entry(path, header, payload, o_direct=False)
-
-    def _finish_locked(self, item: _PendingWrite) -> None:
-        """A put leaves the pipeline (written, failed or dropped): drop its reference. Idempotent."""
-        if item.finished:
-            return
-        item.finished = True
-        if self._pending.get(item.key) is item:
-            del self._pending[item.key]
-        self._unwritten.discard(item.seq)
-        item.obj.ref_count_down()
-        self._cond.notify_all()
-
-    def _sync_dir(self) -> None:
-        """fsync the directory so that finished renames survive a power loss."""
-        with self._sync_lock:
-            with self._lock:
-                batch, self._to_sync = self._to_sync, []
-            if not batch or self._dir_fd < 0:
-                return
-            try:
-                os.fsync(self._dir_fd)
-            except OSError as exc:
-                self._log_once(logging.WARNING, "dir-fsync", "lmcache disk tier: directory fsync failed: %s", exc)
-
-    def _on_write_error(self, exc: OSError | ValueError) -> None:
-        if not isinstance(exc, OSError):
-            self._log_once(logging.WARNING, "unstorable", "lmcache disk tier: entry not stored: %s", exc)
-        elif exc.errno in _DENIED:
-            self._disable(f"cannot write ({exc.strerror})")
-        elif exc.errno in _GONE and not os.path.isdir(self.directory):
-            self._disable("the cache directory was removed")
-        else:
-            self._log_once(
-                logging.WARNING,
-                f"write-{exc.errno}",
-                "lmcache disk tier %s: write failed (%s); skipped",
-                self.directory,
-                exc,
-            )
-
     # ------------------------------------------------------------------ failures
     def _disable(self, reason: str) -> None:
         with self._lock:
@@ -803,8 +517,7 @@ class LocalDiskBackend(StorageBackend):
                 return
             self._disabled = reason
             self._index.clear()
-            for item in self._pending.values():
-                item.cancelled = True
+            self._writer.cancel_all_locked()
         logger.error("lmcache disk tier %s disabled: %s; the engine keeps serving from memory", self.directory, reason)
 
     def _stop_o_direct(self, exc: OSError) -> None:
