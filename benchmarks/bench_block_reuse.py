@@ -36,14 +36,14 @@ from lmcache.v1.request import KeyExtras  # noqa: E402
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
 from tests.vllm_utils import block_aligned_shared  # noqa: E402
 
-from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 CHUNK = 256
 
 
 def llama_spec(num_tokens: int, block: int) -> KVSpec:
-    return KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=block, num_blocks=(num_tokens + block - 1) // block,
-                  dtype=torch.bfloat16, layout="vllm_cpu")
+    return KVSpec(**LLAMA3_8B.kv_args(), block_size=block, num_blocks=(num_tokens + block - 1) // block,
+                  layout="vllm_cpu")
 
 
 def _engine(spec: KVSpec, num_tokens: int, block: int | None, reuse: bool = True):

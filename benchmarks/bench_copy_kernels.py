@@ -8,10 +8,11 @@ build in turn, so load changes on a shared machine hit all of them alike; it pri
 best/best ratio and the median of the per-rep ratios. ``--check`` first verifies that
 every build produces the same bytes as the first one.
 
-Build variants by hand and pass their paths, e.g.::
+Build variants by hand (an edited copy of the source; it has no tuning switches) and pass
+their paths, e.g.::
 
     g++ -O3 -std=c++17 -shared -fPIC -fvisibility=hidden -pthread -Icsrc \\
-        -DLMC_NO_FOUR_STREAMS csrc/paged_copy.cpp -o /tmp/variant.so
+        /tmp/paged_copy_variant.cpp -o /tmp/variant.so
     python benchmarks/bench_copy_kernels.py lmcache/_c_ops_cpu.so /tmp/variant.so --layouts vllm_cpu
 
 A path may end in ``:ntnever`` / ``:ntalways`` to force the store mode of that entry.
@@ -31,7 +32,7 @@ from lmcache.v1.gpu_connector import native
 from lmcache.v1.gpu_connector.layouts import get_layout
 from lmcache.v1.testing import KVSpec, random_slot_mapping
 
-GB = 1e9
+from limits import GB, LLAMA3_8B  # benchmarks/ is on sys.path when run as a script
 
 
 def load(entry: str) -> native.NativeKernels:
@@ -47,9 +48,9 @@ def load(entry: str) -> native.NativeKernels:
 
 def run_case(entries: list[str], mods: list[native.NativeKernels], layout: str, block_size: int, tokens: int,
              reps: int, check: bool) -> None:
-    heads, head = (1, 576) if layout == "mla" else (8, 128)
-    spec = KVSpec(num_layers=32, num_heads=heads, head_size=head, block_size=block_size,
-                  num_blocks=(tokens + block_size - 1) // block_size, dtype=torch.bfloat16, layout=layout)
+    heads, head = (1, 576) if layout == "mla" else (LLAMA3_8B.num_heads, LLAMA3_8B.head_size)
+    spec = KVSpec(num_layers=LLAMA3_8B.num_layers, num_heads=heads, head_size=head, block_size=block_size,
+                  num_blocks=(tokens + block_size - 1) // block_size, dtype=LLAMA3_8B.dtype, layout=layout)
     # random bit patterns written in place (no float32 temporary: 32k tokens stay at 2 x 4 GiB)
     full = torch.empty((spec.num_layers, *spec.layer_shape()), dtype=torch.int16)
     full.random_(generator=torch.Generator().manual_seed(0))

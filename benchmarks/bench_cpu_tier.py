@@ -32,7 +32,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 
-from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +51,9 @@ class CopyResult:
 def kv_spec(layout: str, block_size: int, num_tokens: int) -> KVSpec:
     """Llama-3-8B-like KV (32 layers, 8 KV heads of 128, bf16); for MLA one 576-element latent
     per token and layer (DeepSeek-V3: kv_lora_rank 512 + rope 64)."""
-    heads, head = (1, 576) if layout == "mla" else (8, 128)
-    return KVSpec(num_layers=32, num_heads=heads, head_size=head, block_size=block_size,
-                  num_blocks=(num_tokens + block_size - 1) // block_size, dtype=torch.bfloat16, layout=layout)
+    heads, head = (1, 576) if layout == "mla" else (LLAMA3_8B.num_heads, LLAMA3_8B.head_size)
+    return KVSpec(num_layers=LLAMA3_8B.num_layers, num_heads=heads, head_size=head, block_size=block_size,
+                  num_blocks=(num_tokens + block_size - 1) // block_size, dtype=LLAMA3_8B.dtype, layout=layout)
 
 
 def run_engine(spec: KVSpec, num_tokens: int, use_native: bool, reps: int) -> CopyResult:
@@ -188,8 +188,7 @@ def validation_overhead(spec: KVSpec, num_tokens: int, reps: int = 15) -> None:
 def call_times(num_tokens: int, reps: int = 21) -> dict[str, float]:
     """Median seconds of store / retrieve / lookup of valid input (the public API only, so
     the same code runs against any checkout: see ``--baseline``)."""
-    spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(num_tokens + 15) // 16,
-                  dtype=torch.bfloat16, layout="vllm_cpu")
+    spec = KVSpec(**LLAMA3_8B.kv_args(), block_size=16, num_blocks=(num_tokens + 15) // 16, layout="vllm_cpu")
     engine, kv, slots, tokens = _engine_with_room(spec, num_tokens)
     kw = {"kvcaches": kv, "slot_mapping": slots, "cache_salt": "tenant-a"}
     out: dict[str, list[float]] = {"store": [], "retrieve": [], "lookup": []}
@@ -257,8 +256,7 @@ def main() -> None:
         return
     if args.validation_only:
         for n in (256, 8192):
-            spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
-                          dtype=torch.bfloat16, layout="vllm_cpu")
+            spec = KVSpec(**LLAMA3_8B.kv_args(), block_size=16, num_blocks=(n + 15) // 16, layout="vllm_cpu")
             validation_overhead(spec, n)
         return
     have_native = native.load() is not None
@@ -283,8 +281,7 @@ def main() -> None:
         return
     print_lookups()
     for n in (256, 8192):
-        spec = KVSpec(num_layers=32, num_heads=8, head_size=128, block_size=16, num_blocks=(n + 15) // 16,
-                      dtype=torch.bfloat16, layout="vllm_cpu")
+        spec = KVSpec(**LLAMA3_8B.kv_args(), block_size=16, num_blocks=(n + 15) // 16, layout="vllm_cpu")
         validation_overhead(spec, n)
 
 

@@ -37,9 +37,11 @@ from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-LAYERS, KV_HEADS, HEAD, CHUNK = 32, 8, 128, 256
-SHAPE = (2, LAYERS, CHUNK, KV_HEADS * HEAD)
-DTYPE = torch.bfloat16
+from limits import LLAMA3_8B  # benchmarks/ is on sys.path when run as a script
+
+CHUNK = 256
+SHAPE = (2, LLAMA3_8B.num_layers, CHUNK, LLAMA3_8B.hidden)
+DTYPE = LLAMA3_8B.dtype
 
 
 def _view(obj: MemoryObj) -> memoryview:
@@ -143,7 +145,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     root = tempfile.mkdtemp(prefix="lmcache-bench-disk-", dir=args.dir)
-    chunk_bytes = 2 * LAYERS * CHUNK * KV_HEADS * HEAD * DTYPE.itemsize
+    chunk_bytes = 2 * LLAMA3_8B.num_layers * CHUNK * LLAMA3_8B.hidden * DTYPE.itemsize
     n = max(1, int(args.gib * (1 << 30)) // chunk_bytes)
     total = n * chunk_bytes
     cfg = LMCacheEngineConfig.from_dict(

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # limits.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's lmcache first
 
-from limits import GB, torch_copy_seconds  # noqa: E402
+from limits import GB, LLAMA3_8B, torch_copy_seconds  # noqa: E402
 
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.ec_engine import ECCacheEngine  # noqa: E402
@@ -166,8 +166,8 @@ def make_kv(spec: KVSpec, device: str, seed: int) -> list[torch.Tensor]:
 
 
 def llama_spec(tokens: int, layout: str, layers: int) -> KVSpec:
-    return KVSpec(num_layers=layers, num_heads=8, head_size=128, block_size=16,
-                  num_blocks=(tokens + 15) // 16, dtype=torch.bfloat16, layout=layout)
+    return KVSpec(num_layers=layers, num_heads=LLAMA3_8B.num_heads, head_size=LLAMA3_8B.head_size, block_size=16,
+                  num_blocks=(tokens + 15) // 16, dtype=LLAMA3_8B.dtype, layout=layout)
 
 
 def kv_bytes(spec: KVSpec, tokens: int) -> int:
@@ -207,7 +207,7 @@ def section_pool(rep: Report, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     pool = PoolAllocator(int(args.pool_gib * GiB))
     t1 = time.perf_counter()
-    obj = pool.allocate((2, 32, CHUNK, 1024), torch.bfloat16, MemoryFormat.KV_2LTD)
+    obj = pool.allocate((2, LLAMA3_8B.num_layers, CHUNK, LLAMA3_8B.hidden), LLAMA3_8B.dtype, MemoryFormat.KV_2LTD)
     t2 = time.perf_counter()
     after = pinned_bytes()
     ok = obj is not None and obj.tensor is not None
@@ -471,7 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     small = args.small
     args.tokens = [int(t) for t in (args.tokens or ("512,1024" if small else "8192,32768")).split(",")]
     args.overlap_tokens = args.overlap_tokens or (512 if small else 8192)
-    args.layers = args.layers or (4 if small else 32)
+    args.layers = args.layers or (4 if small else LLAMA3_8B.num_layers)
     args.reps = args.reps or (2 if small else 5)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available (use --device cpu --small for a dry run)")

