@@ -17,6 +17,8 @@ Server set-ups (one fresh server each; ``--configs`` picks a subset):
   (about half the users' conversations fit);
 * ``lmcache-cpu``: lmcache (``LMCacheConnectorV1Dynamic``) with a CPU tier large
   enough, vLLM's prefix caching off, the large KV memory;
+* ``lmcache-cpu-decode``: ``lmcache-cpu`` with ``save_decode_cache: true`` (the KV of
+  each answer is stored too, so the next round reuses it);
 * ``lmcache-cpu+prefix``: the same with vLLM's prefix caching on (both caches);
 * ``lmcache-cpu-small-kv``: ``lmcache-cpu`` with ``vllm-prefix-small``'s KV memory;
 * ``lmcache-disk``: a CPU tier smaller than the working set plus a local disk tier;
@@ -117,6 +119,7 @@ class Setup:
     cpu_tier: str = "big"  # "big" or "small" (lmcache set-ups only)
     disk: bool = False
     redis: bool = False
+    decode: bool = False  # save_decode_cache: generated tokens' KV stored too
 
 
 SETUPS = (
@@ -124,6 +127,8 @@ SETUPS = (
     Setup("vllm-prefix", "vLLM prefix caching, KV memory fits the working set", prefix_caching=True),
     Setup("vllm-prefix-small", "vLLM prefix caching, KV memory too small", prefix_caching=True, small_kv=True),
     Setup("lmcache-cpu", "lmcache CPU tier (big enough), vLLM prefix caching off", lmcache=True),
+    Setup("lmcache-cpu-decode", "lmcache CPU tier with save_decode_cache (answers cached too)", lmcache=True,
+          decode=True),
     Setup("lmcache-cpu+prefix", "lmcache CPU tier and vLLM prefix caching", lmcache=True, prefix_caching=True),
     Setup("lmcache-cpu-small-kv", "lmcache CPU tier, vLLM prefix caching off, small KV memory", lmcache=True,
           small_kv=True),
@@ -136,7 +141,7 @@ SETUPS = (
 )  # fmt: skip
 BY_NAME = {s.name: s for s in SETUPS}
 DEFAULT_SETUPS = [s.name for s in SETUPS if s.name != "lmcache-cpu+prefix-small-kv"]
-FITS_COMPARED = ("lmcache-cpu", "lmcache-cpu+prefix")  # against vllm-prefix (goal 2)
+FITS_COMPARED = ("lmcache-cpu", "lmcache-cpu-decode", "lmcache-cpu+prefix")  # against vllm-prefix (goal 2)
 SMALL_COMPARED = ("lmcache-cpu-small-kv", "lmcache-cpu+prefix-small-kv")  # against vllm-prefix-small (goal 3)
 
 
@@ -309,6 +314,8 @@ def lmcache_yaml(setup: Setup, sizes: Sizes, workdir: Path, chunk: int, redis_ur
         lines += [f"local_disk: {workdir / 'disk'}", f"max_local_disk_size: {sizes.disk_gib}"]
     if redis_url is not None:
         lines += [f'remote_url: "{redis_url}"']
+    if setup.decode:
+        lines += ["save_decode_cache: true"]
     lines += ["extra_config:", f"  lookup_socket_dir: {workdir / 'socks'}"]
     return "\n".join(lines) + "\n"
 

@@ -199,6 +199,7 @@ _PARSERS = {
     "remote_username": _as_opt_str,
     "remote_password": _as_secret,
     "save_unfull_chunk": _as_bool,
+    "save_decode_cache": _as_bool,
     "block_granular_reuse": _as_bool,
     "use_layerwise": _as_bool,
     "cache_policy": _as_policy,
@@ -254,6 +255,9 @@ class LMCacheEngineConfig:
     remote_username: str | None = None
     remote_password: str | None = field(default=None, repr=False)  # never logged
     save_unfull_chunk: bool = False
+    save_decode_cache: bool = False
+    """Also store the KV of generated tokens (vLLM adapter: whole blocks, as they complete), so
+    a next chat turn that repeats the answer finds it."""
     block_granular_reuse: bool = True
     """Reuse cached KV at the serving engine's block granularity (needs the block size in
     the engine metadata; the vLLM adapter passes it). See :mod:`lmcache.v1.block_reuse`."""

@@ -70,7 +70,8 @@ LMCACHE_056_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey("remote_serde", "naive", UNSUPPORTED,
                "entries always use lmcache's verified entry format (like `naive`, plus checksums); no compression"),
     LMCacheKey("use_layerwise", False, SUPPORTED),
-    LMCacheKey("save_decode_cache", False, UNSUPPORTED, "decode-phase KV is not stored; prompts are"),
+    LMCacheKey("save_decode_cache", False, SUPPORTED,
+               "the vLLM adapter stores generated tokens' KV block by block (whole chunks without block reuse)"),
     LMCacheKey("pre_caching_hash_algorithm", "builtin", UNSUPPORTED,
                "chunk hashes are always chained 128-bit BLAKE2b, seed-free (see 'Chunk keys' above)"),
     *_group("enable_blending blend_recompute_ratios blend_thresholds blend_check_layers blend_min_tokens "

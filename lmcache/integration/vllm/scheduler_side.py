@@ -127,6 +127,7 @@ class SchedulerConnector:
                 reuse_block_size=settings.reuse_block_size,
                 enable_load=settings.enable_load,
                 enable_save=settings.enable_save,
+                save_decode=settings.config.save_decode_cache,
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
             )
