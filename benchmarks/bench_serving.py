@@ -316,7 +316,8 @@ def lmcache_yaml(setup: Setup, sizes: Sizes, workdir: Path, chunk: int, redis_ur
         lines += [f'remote_url: "{redis_url}"']
     if setup.decode:
         lines += ["save_decode_cache: true"]
-    lines += ["extra_config:", f"  lookup_socket_dir: {workdir / 'socks'}"]
+    # lookup sockets in the default private directory: paths under the work directory can
+    # exceed the 107 bytes a Unix socket path may have (lmcache refuses such a directory)
     return "\n".join(lines) + "\n"
 
 
@@ -333,7 +334,6 @@ def make_server(setup: Setup, model_dir: Path, sizes: Sizes, workdir: Path, args
     if not setup.lmcache:
         return PlainServer(str(model_dir), {}, workdir / "server.log", env=env, extra_args=extra)
     else:
-        (workdir / "socks").mkdir(mode=0o700, exist_ok=True)
         cfg = workdir / "lmcache.yaml"
         cfg.write_text(lmcache_yaml(setup, sizes, workdir, args.chunk_size, redis_url))
         env["LMCACHE_CONFIG_FILE"] = str(cfg)

@@ -27,6 +27,7 @@ from lmcache.integration.vllm import utils as vutils
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta
 from lmcache.integration.vllm.lookup_service import LookupClient, LookupServer
 from lmcache.integration.vllm.metadata_builder import build_engine_metadata, load_config, settings_from_vllm
+from lmcache.integration.vllm.naming import socket_path
 from lmcache.integration.vllm.request_tracker import (
     PlannerConfig,
     RequestPlanner,
@@ -649,6 +650,15 @@ def test_settings_and_metadata_from_vllm_config(tmp_path):
     assert md.kv_dtype == torch.float32 and md.model_name == "unit-model"
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         settings_from_vllm(fake_vllm_config(pp=2))
+
+
+def test_a_socket_dir_too_long_for_unix_sockets_is_refused_at_start(tmp_path):
+    """A lookup socket path over 107 bytes cannot be bound: every lookup would be a miss."""
+    long_dir = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    with pytest.raises(ConfigError, match=r"extra_config.lookup_socket_dir: .* Unix sockets allow 107 \(expected a directory"):
+        settings_from_vllm(fake_vllm_config(tmp=str(long_dir)))
+    short = settings_from_vllm(fake_vllm_config(tmp=str(tmp_path)))
+    assert len(socket_path(short.socket_dir, short.engine_id, 0)) <= 107
 
 
 def test_dynamic_connector_is_loadable_by_module_path():

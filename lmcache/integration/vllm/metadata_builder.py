@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
-from lmcache.integration.vllm.naming import default_socket_dir, instance_id
+from lmcache.integration.vllm.naming import default_socket_dir, instance_id, socket_dir_problem
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.options import option, parse_options
@@ -172,6 +172,12 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
     use_mla = bool(getattr(model, "use_mla", False))
     device_cfg = getattr(vllm_config, "device_config", None)
     device = str(getattr(device_cfg, "device_type", None) or getattr(device_cfg, "device", None) or "cpu")
+    socket_dir = lookup.socket_dir or default_socket_dir()
+    problem = socket_dir_problem(socket_dir, str(ktc.engine_id), int(parallel.tensor_parallel_size))
+    if problem is not None:
+        where = "extra_config.lookup_socket_dir" if lookup.socket_dir else "the default lookup socket directory"
+        hint = "" if lookup.socket_dir else " (set extra_config.lookup_socket_dir, or a shorter XDG_RUNTIME_DIR / TMPDIR)"
+        raise ConfigError(f"{where}: {problem}{hint}")
     if use_mla and device == "cpu" and not config.save_unfull_chunk:
         logger.info("lmcache: MLA on CPU reuses whole prompts only; storing exact prompt tails (save_unfull_chunk)")
         config.save_unfull_chunk = True
@@ -189,7 +195,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         head_size=int(model.get_head_size()),
         use_mla=use_mla,
         device=device,
-        socket_dir=lookup.socket_dir or default_socket_dir(),
+        socket_dir=socket_dir,
         lookup_timeout=lookup.timeout,
         kv_groups=kv_groups,
         save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,

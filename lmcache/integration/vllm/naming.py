@@ -32,7 +32,27 @@ def default_socket_dir() -> str:
     return default_runtime_dir()
 
 
+MAX_SOCKET_PATH = 107
+"""Longest Unix socket path Linux accepts, in bytes (``sun_path`` holds 108 with the NUL)."""
+
+
 def socket_path(socket_dir: str, engine_id: str, rank: int) -> str:
-    """Unix socket of worker ``rank``'s lookup server (short: AF_UNIX paths are ~107 bytes)."""
+    """Unix socket of worker ``rank``'s lookup server (short: see :data:`MAX_SOCKET_PATH`)."""
     digest = hashlib.sha1(engine_id.encode()).hexdigest()[:16]
     return os.path.join(socket_dir, f"lookup-{digest}-r{rank}.sock")
+
+
+def socket_dir_problem(socket_dir: str, engine_id: str, world_size: int) -> str | None:
+    """Why ``socket_dir`` cannot hold the lookup sockets of ``world_size`` ranks, or None.
+
+    A path over :data:`MAX_SOCKET_PATH` bytes cannot be bound or connected to, which
+    would turn every scheduler lookup into a miss; callers refuse it at start-up."""
+    longest = socket_path(socket_dir, engine_id, max(world_size - 1, 0))
+    size = len(os.fsencode(longest))
+    if size <= MAX_SOCKET_PATH:
+        return None
+    room = MAX_SOCKET_PATH - (size - len(os.fsencode(socket_dir)))
+    return (
+        f"{socket_dir!r} gives lookup socket paths of {size} bytes; Unix sockets allow {MAX_SOCKET_PATH} "
+        f"(expected a directory path of at most {room} bytes)"
+    )
