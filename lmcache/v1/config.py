@@ -185,6 +185,32 @@ def _as_policy(key: str, value: Any) -> str:
     return value.strip().upper()
 
 
+PD_ROLES = ("sender", "receiver", "both")
+PD_CHANNELS = ("remote",)
+"""``transfer_channel`` values this build supports: PD KV moves through the remote tier."""
+
+
+def _as_pd_role(key: str, value: Any) -> str | None:
+    role = _as_opt_str(key, value)
+    if role is None:
+        return None
+    if role.lower() not in PD_ROLES:
+        raise ConfigError(f"{key}={value!r}: expected one of {', '.join(PD_ROLES)} (or unset: from vLLM's kv_role)")
+    return role.lower()
+
+
+def _as_channel(key: str, value: Any) -> str | None:
+    channel = _as_opt_str(key, value)
+    if channel is None:
+        return None
+    if channel.lower() not in PD_CHANNELS:
+        raise ConfigError(
+            f"{key}={value!r}: this build moves disaggregated-prefill KV through the remote tier only "
+            "(expected 'remote' or unset, with remote_url set); NIXL and Mooncake channels are not built in"
+        )
+    return channel.lower()
+
+
 SCALAR_PARSERS = {"bool": _as_bool, "int": _as_int, "float": _as_float}
 """Parsers of scalar option types by annotation name (used by :mod:`lmcache.v1.options`)."""
 
@@ -209,6 +235,13 @@ _PARSERS = {
     "extra_config": _as_dict,
     "model_namespace": _as_opt_str,
     "log_summary_interval": _as_float,
+    "enable_pd": _as_bool,
+    "pd_role": _as_pd_role,
+    "pd_buffer_size": _as_int,
+    "pd_proxy_host": _as_opt_str,
+    "pd_proxy_port": _as_int,
+    "transfer_channel": _as_channel,
+    "pd_wait_timeout": _as_float,
 }
 
 # extra_config keys read by the tiers and the vLLM adapter (see docs/configuration.md);
@@ -273,6 +306,24 @@ class LMCacheEngineConfig:
     set the same value to share a cache; different weights must never share one."""
     log_summary_interval: float = 10.0
     """Seconds between periodic INFO summaries while there is traffic (0 = off)."""
+    enable_pd: bool = False
+    """Disaggregated prefill/decode through the remote tier (docs/disaggregated.md): requests
+    carrying vLLM's ``kv_transfer_params`` are stored durably (prefiller) or waited for
+    (decoder)."""
+    pd_role: str | None = None
+    """``sender`` (prefiller), ``receiver`` (decoder) or ``both``; None: from vLLM's kv_role."""
+    pd_buffer_size: int | None = None
+    """Bytes of KV a prefiller may have in flight to the remote tier before its stores wait
+    (None: the remote tier's ``remote_max_inflight_mb``)."""
+    pd_proxy_host: str | None = None
+    """Accepted for LMCache compatibility; lmcache's proxy needs no notification."""
+    pd_proxy_port: int | None = None
+    """Accepted for LMCache compatibility; lmcache's proxy needs no notification."""
+    transfer_channel: str | None = None
+    """How PD KV travels: ``remote`` (the remote tier) is the only channel of this build."""
+    pd_wait_timeout: float = 5.0
+    """Seconds a decoder waits for KV a prefiller announced, and a prefiller for its writes
+    to become durable, before it recomputes (decoder) or answers anyway (prefiller)."""
 
     def __repr__(self) -> str:
         """Every field except secrets; ``remote_url`` with its credentials masked."""
@@ -418,6 +469,18 @@ class LMCacheEngineConfig:
             raise ConfigError(
                 f"max_hidden_state_cpu_size={self.max_hidden_state_cpu_size!r}: expected a size in GiB > 0 "
                 "when enable_hidden_state_cache is true"
+            )
+        self._validate_pd()
+
+    def _validate_pd(self) -> None:
+        if self.pd_wait_timeout <= 0:
+            raise ConfigError(f"pd_wait_timeout={self.pd_wait_timeout!r}: expected seconds > 0")
+        if self.pd_buffer_size is not None and self.pd_buffer_size <= 0:
+            raise ConfigError(f"pd_buffer_size={self.pd_buffer_size!r}: expected bytes > 0 (or unset)")
+        if self.enable_pd and self.remote_url is None:
+            raise ConfigError(
+                "enable_pd=True: expected remote_url to be set (prefillers and decoders share KV through the "
+                "remote tier, e.g. remote_url: redis://cache-host:6379)"
             )
 
     def copy(self) -> LMCacheEngineConfig:

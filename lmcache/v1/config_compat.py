@@ -42,7 +42,7 @@ def _group(names: str, default_pairs: dict[str, Any], status: str, note: str) ->
 
 _INF = math.inf
 
-_PD = "disaggregated prefill (PD/NIXL transfer) is not built in; share KV through the remote tier (`remote_url`)"
+_PD = "NIXL peer transfer is not built in: PD moves KV through the remote tier (`enable_pd`, `remote_url`)"
 _P2P = "peer-to-peer KV sharing is not built in; share KV through the remote tier (`remote_url`)"
 _CONTROLLER = "there is no cache controller / LMCache worker process; use the engine API and `stats` counters"
 _BLEND = "CacheBlend (non-prefix reuse) is not supported; only prefix caching"
@@ -84,10 +84,19 @@ LMCACHE_056_KEYS: tuple[LMCacheKey, ...] = (
     *_group("enable_controller lmcache_instance_id controller_pull_url controller_reply_url lmcache_worker_ports "
             "lmcache_worker_ids lmcache_worker_heartbeat_delay_time lmcache_worker_heartbeat_time",
             {"enable_controller": False, "lmcache_worker_heartbeat_delay_time": 10}, UNSUPPORTED, _CONTROLLER),
-    *_group("enable_pd pd_role pd_buffer_size pd_buffer_device pd_peer_host pd_peer_init_port pd_peer_alloc_port "
-            "pd_peer_query_port pd_proxy_host pd_proxy_port pd_allocation_timeout_sec pd_shutdown_timeout_sec "
+    LMCacheKey("enable_pd", False, SUPPORTED,
+               "PD through the remote tier (`remote_url` required), not NIXL; see disaggregated.md"),
+    LMCacheKey("pd_role", None, SUPPORTED, "`sender`, `receiver` or `both`; unset: from vLLM's `kv_role`"),
+    LMCacheKey("pd_buffer_size", None, SUPPORTED,
+               "bytes of KV a prefiller may have in flight to the remote tier before its stores wait"),
+    LMCacheKey("pd_proxy_host", None, SUPPORTED, "accepted, unused: `lmcache proxy` needs no notification"),
+    LMCacheKey("pd_proxy_port", None, SUPPORTED, "accepted, unused: `lmcache proxy` needs no notification"),
+    LMCacheKey("transfer_channel", None, SUPPORTED,
+               "`remote` only (KV through `remote_url`); `nixl` and `mooncake` are refused at start-up"),
+    *_group("pd_buffer_device pd_peer_host pd_peer_init_port pd_peer_alloc_port "
+            "pd_peer_query_port pd_allocation_timeout_sec pd_shutdown_timeout_sec "
             "pd_condition_poll_interval_sec pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification "
-            "pd_bidirectional transfer_channel nixl_backends nixl_buffer_size nixl_buffer_device",
+            "pd_bidirectional nixl_backends nixl_buffer_size nixl_buffer_device",
             {"enable_pd": False, "pd_allocation_timeout_sec": _INF, "pd_shutdown_timeout_sec": 5.0,
              "pd_condition_poll_interval_sec": 0.005, "pd_max_prefill_len": 0, "pd_backend_mode": "async",
              "pd_skip_proxy_notification": False, "pd_bidirectional": False}, UNSUPPORTED, _PD),

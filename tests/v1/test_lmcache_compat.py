@@ -324,14 +324,14 @@ def test_lmcache_only_keys(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="lmcache.v1.config"):
         cfg = LMCacheEngineConfig.from_defaults(
             remote_serde="naive", enable_blending=False, py_enable_gc=True,  # LMCache's defaults: silent
-            enable_pd=True,  # not supported, set: one warning with what to use instead
+            enable_p2p=True,  # not supported, set: one warning with what to use instead
             blocking_timeout_secs=7,  # renamed: applied as remote_timeout
             enable_xpyd=False,  # an LMCache alias of enable_pd, at its default
         )
-    assert cfg.remote_timeout == 7.0
+    assert cfg.remote_timeout == 7.0 and cfg.enable_pd is False
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2, messages
-    assert "'enable_pd'" in messages[0] and "not supported" in messages[0] and "remote_url" in messages[0]
+    assert "'enable_p2p'" in messages[0] and "not supported" in messages[0] and "remote_url" in messages[0]
     assert "'blocking_timeout_secs'" in messages[1] and "'remote_timeout'" in messages[1]
 
 
