@@ -199,7 +199,7 @@ def test_release_build_guards_random_shapes():
 _ASAN_DRIVER = """
 import random, sys
 from lmcache.v1.gpu_connector import native
-from tests.v1.test_native_bounds import run_case
+from tests.kernels.test_native_bounds import run_case
 k = native.load_library(sys.argv[1])
 rnd = random.Random(int(sys.argv[2]))
 for _ in range(int(sys.argv[3])):

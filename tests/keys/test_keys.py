@@ -110,7 +110,7 @@ def test_namespace_and_salt_make_keys_disjoint():
 
 _CHILD = """
 import json, torch
-from tests.v1.test_keys import make_db
+from tests.keys.test_keys import make_db
 print(json.dumps([k.to_string() for *_, k in make_db().process_tokens(list(range(40)), cache_salt="s")]))
 """
 

@@ -9,7 +9,7 @@ import redis
 import torch
 
 from tests.redis_fixtures import RedisClusterProcs
-from tests.v1.test_remote_backend import (
+from tests.tiers.test_remote_backend import (
     FLUSH_S,
     SHARE_TOKENS,
     assert_shared_kv_identical,

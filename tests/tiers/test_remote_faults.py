@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.redis_fixtures import RedisServer
-from tests.v1.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of
+from tests.tiers.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of
 
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff  # noqa: E402

@@ -18,7 +18,7 @@ from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import get_layout
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
-from tests.v1.test_keys import make_db
+from tests.keys.test_keys import make_db
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 16
@@ -166,7 +166,7 @@ def test_item10_key_extras_encoding_is_injective(x, y):
 
 _CHILD = """
 import json
-from tests.v1.test_keys import make_db
+from tests.keys.test_keys import make_db
 db = make_db()
 out = [k.to_string() for *_, k in db.process_tokens(list(range(40)), cache_salt="s",
        extra_keys=["lora=X", 7], request_configs={"b": 1.5, "a": "x"})]
