@@ -9,7 +9,8 @@ import redis
 import torch
 
 from tests.redis_fixtures import RedisClusterProcs
-from tests.tiers.test_remote_backend import (
+from tests.remote_fixtures import (
+    FAST,
     FLUSH_S,
     SHARE_TOKENS,
     assert_shared_kv_identical,
@@ -22,8 +23,6 @@ from tests.tiers.test_remote_backend import (
 )
 
 pytestmark = pytest.mark.slow  # a real 3-master Redis Cluster per module
-
-FAST = {"remote_backoff_initial": 0.05, "remote_backoff_max": 0.5}
 
 
 def test_cluster_roundtrip_spreads_keys_over_all_masters(redis_cluster: RedisClusterProcs):

@@ -15,17 +15,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff
+from lmcache.v1.storage_backend.entry_format import decode_header
+from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 from tests.redis_fixtures import RedisServer
-from tests.tiers.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of
-
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff  # noqa: E402
-from lmcache.v1.storage_backend.entry_format import decode_header  # noqa: E402
-from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
+from tests.remote_fixtures import FAST, FLUSH_S, key, make_manager, random_obj, remote_of
 
 TIMEOUT = 0.5
 SLACK = 3.0  # scheduling noise on a shared machine; a hang would be unbounded
-FAST = {"remote_backoff_initial": 0.05, "remote_backoff_max": 0.5}
 SPEC = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=64, block_size=16)
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.storage_backend.remote_backend import MAX_PLAIN_KEY  # noqa: E402
-from tests.tiers.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of  # noqa: E402
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.storage_backend.remote_backend import MAX_PLAIN_KEY
+from tests.remote_fixtures import FLUSH_S, key, make_manager, random_obj, remote_of
 
 
 @pytest.mark.parametrize("kind", ["list", "hash", "set"])
