@@ -62,78 +62,68 @@ def test_roundtrip_is_bit_identical(redis_server, shape, dtype, fmt, seed):
 
 
 @pytest.mark.parametrize("via", ["tcp", "unix"])
-def test_large_values_and_stats(redis_server, via):
+def test_large_values_and_stats(redis_server, via, remote_manager):
     url = redis_server.url if via == "tcp" else redis_server.unix_url
-    sm = make_manager(url)
-    try:
-        rb = remote_of(sm)
-        objs = [random_obj(sm, (2, 4, 256, 256), seed=i) for i in range(4)]  # 2 MiB each
-        keys = [key(i) for i in range(4)]
-        sm.batched_put(keys, objs)
-        assert sm.flush(FLUSH_S)
-        for k, o in zip(keys, objs):
-            got = rb.get_non_blocking(k).result(timeout=FLUSH_S)
-            assert got is not None and torch.equal(got.byte_array, o.byte_array)
-            got.ref_count_down()
-            o.ref_count_down()
-        assert rb.get_blocking(key(99)) is None
-        stats = rb.stats.snapshot()
-        assert stats["puts"] == 4 and stats["hits"] == 4 and stats["misses"] == 1
-        assert stats["errors"] == 0 and stats["corrupt"] == 0
-        assert stats["put_bytes"] == stats["get_bytes"] > 4 * (2 << 20)
-    finally:
-        sm.close()
+    sm = remote_manager(url)
+    rb = remote_of(sm)
+    objs = [random_obj(sm, (2, 4, 256, 256), seed=i) for i in range(4)]  # 2 MiB each
+    keys = [key(i) for i in range(4)]
+    sm.batched_put(keys, objs)
+    assert sm.flush(FLUSH_S)
+    for k, o in zip(keys, objs):
+        got = rb.get_non_blocking(k).result(timeout=FLUSH_S)
+        assert got is not None and torch.equal(got.byte_array, o.byte_array)
+        got.ref_count_down()
+        o.ref_count_down()
+    assert rb.get_blocking(key(99)) is None
+    stats = rb.stats.snapshot()
+    assert stats["puts"] == 4 and stats["hits"] == 4 and stats["misses"] == 1
+    assert stats["errors"] == 0 and stats["corrupt"] == 0
+    assert stats["put_bytes"] == stats["get_bytes"] > 4 * (2 << 20)
+    sm.close()
     assert sm.allocator.used_bytes == 0
 
 
-def test_batched_contains_is_prefix_one_command_per_key(redis_server):
-    sm = make_manager(redis_server.url)
-    try:
-        rb = remote_of(sm)
-        objs = [random_obj(sm, (8,), seed=i) for i in range(6)]
-        present = [0, 1, 2, 4, 5]  # 3 missing
-        for i in present:
-            rb.submit_put(key(i), objs[i])
-        assert rb.flush(FLUSH_S)
-        client = redis_server.client()
-        before = int(client.info("stats")["total_commands_processed"])
-        assert rb.batched_contains([key(i) for i in range(6)]) == 3
-        after = int(client.info("stats")["total_commands_processed"])
-        assert after - before == 6 + 1  # six pipelined EXISTS (+ our INFO)
-        assert rb.batched_contains([key(4), key(5)]) == 2
-        assert rb.batched_contains([]) == 0
-        assert rb.contains(key(0)) and not rb.contains(key(3))
-        assert rb.remove(key(0)) and not rb.contains(key(0)) and not rb.remove(key(0))
-        for o in objs:
-            o.ref_count_down()
-    finally:
-        sm.close()
+def test_batched_contains_is_prefix_one_command_per_key(redis_server, remote_manager):
+    sm = remote_manager(redis_server.url)
+    rb = remote_of(sm)
+    objs = [random_obj(sm, (8,), seed=i) for i in range(6)]
+    present = [0, 1, 2, 4, 5]  # 3 missing
+    for i in present:
+        rb.submit_put(key(i), objs[i])
+    assert rb.flush(FLUSH_S)
+    client = redis_server.client()
+    before = int(client.info("stats")["total_commands_processed"])
+    assert rb.batched_contains([key(i) for i in range(6)]) == 3
+    after = int(client.info("stats")["total_commands_processed"])
+    assert after - before == 6 + 1  # six pipelined EXISTS (+ our INFO)
+    assert rb.batched_contains([key(4), key(5)]) == 2
+    assert rb.batched_contains([]) == 0
+    assert rb.contains(key(0)) and not rb.contains(key(3))
+    assert rb.remove(key(0)) and not rb.contains(key(0)) and not rb.remove(key(0))
+    for o in objs:
+        o.ref_count_down()
 
 
-def test_hit_is_promoted_into_cpu_tier(redis_server):
-    writer = make_manager(redis_server.url)
-    reader = make_manager(redis_server.url)
-    try:
-        obj = random_obj(writer, (4, 64), seed=3)
-        writer.put(key(5), obj)
-        assert writer.flush(FLUSH_S)
-        assert not reader.local_cpu.contains(key(5))
-        assert reader.batched_contains([key(5)]) == 1
-        got = reader.get(key(5))
-        assert got is not None and torch.equal(got.byte_array, obj.byte_array)
-        assert reader.local_cpu.contains(key(5)), "a remote hit must be promoted into L1"
-        got.ref_count_down()
-        obj.ref_count_down()
-        assert remote_of(reader).stats.hits == 1
-    finally:
-        writer.close()
-        reader.close()
+def test_hit_is_promoted_into_cpu_tier(redis_server, remote_manager):
+    writer = remote_manager(redis_server.url)
+    reader = remote_manager(redis_server.url)
+    obj = random_obj(writer, (4, 64), seed=3)
+    writer.put(key(5), obj)
+    assert writer.flush(FLUSH_S)
+    assert not reader.local_cpu.contains(key(5))
+    assert reader.batched_contains([key(5)]) == 1
+    got = reader.get(key(5))
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    assert reader.local_cpu.contains(key(5)), "a remote hit must be promoted into L1"
+    got.ref_count_down()
+    obj.ref_count_down()
+    assert remote_of(reader).stats.hits == 1
 
 
-def test_namespaces_and_layer_keys_are_separate(redis_server):
-    cfg = remote_config(redis_server.url)
-    sm = StorageManager(cfg, pool_bytes=64 << 20)
-    ec = create_lower_backends(cfg, sm.local_cpu, namespace="ec")[0]
+def test_namespaces_and_layer_keys_are_separate(redis_server, remote_manager):
+    sm = remote_manager(redis_server.url)
+    ec = create_lower_backends(sm.config, sm.local_cpu, namespace="ec")[0]
     try:
         rb = remote_of(sm)
         obj = random_obj(sm, (16,), seed=1)
@@ -150,25 +140,21 @@ def test_namespaces_and_layer_keys_are_separate(redis_server):
         obj.ref_count_down()
     finally:
         ec.close()
-        sm.close()
 
 
-def test_write_budget_drops_instead_of_blocking(redis_server):
-    sm = make_manager(redis_server.url, extra_config={"remote_max_inflight_mb": 1, "remote_workers": 1})
-    try:
-        rb = remote_of(sm)
-        objs = [random_obj(sm, (256, 1024), seed=i) for i in range(8)]  # 1 MiB each
-        for i, o in enumerate(objs):
-            rb.submit_put(key(i), o)
-        assert rb.flush(FLUSH_S)
-        stats = rb.stats.snapshot()
-        assert stats["puts"] >= 1 and stats["put_dropped"] >= 1
-        assert stats["puts"] + stats["put_dropped"] == 8
-        assert all(o.ref_count == 1 for o in objs)
-        for o in objs:
-            o.ref_count_down()
-    finally:
-        sm.close()
+def test_write_budget_drops_instead_of_blocking(redis_server, remote_manager):
+    sm = remote_manager(redis_server.url, extra_config={"remote_max_inflight_mb": 1, "remote_workers": 1})
+    rb = remote_of(sm)
+    objs = [random_obj(sm, (256, 1024), seed=i) for i in range(8)]  # 1 MiB each
+    for i, o in enumerate(objs):
+        rb.submit_put(key(i), o)
+    assert rb.flush(FLUSH_S)
+    stats = rb.stats.snapshot()
+    assert stats["puts"] >= 1 and stats["put_dropped"] >= 1
+    assert stats["puts"] + stats["put_dropped"] == 8
+    assert all(o.ref_count == 1 for o in objs)
+    for o in objs:
+        o.ref_count_down()
 
 
 def test_password_from_config_works_and_is_never_logged(redis_server_factory, caplog):
@@ -194,21 +180,18 @@ def test_password_from_config_works_and_is_never_logged(redis_server_factory, ca
     assert secret not in caplog.text
 
 
-def test_tls(redis_server_factory):
+def test_tls(redis_server_factory, remote_manager):
     server: RedisServer = redis_server_factory(tls=True)
-    sm = make_manager(server.tls_url, extra_config={"remote_tls_ca_certs": server.ca_cert})
-    try:
-        rb = remote_of(sm)
-        assert rb.available, rb.stats.snapshot()
-        obj = random_obj(sm, (64, 1024), seed=2)
-        rb.submit_put(key(1), obj)
-        assert rb.flush(FLUSH_S)
-        got = rb.get_blocking(key(1))
-        assert got is not None and torch.equal(got.byte_array, obj.byte_array)
-        got.ref_count_down()
-        obj.ref_count_down()
-    finally:
-        sm.close()
+    sm = remote_manager(server.tls_url, extra_config={"remote_tls_ca_certs": server.ca_cert})
+    rb = remote_of(sm)
+    assert rb.available, rb.stats.snapshot()
+    obj = random_obj(sm, (64, 1024), seed=2)
+    rb.submit_put(key(1), obj)
+    assert rb.flush(FLUSH_S)
+    got = rb.get_blocking(key(1))
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    got.ref_count_down()
+    obj.ref_count_down()
 
 
 # ---------------------------------------------------------------------- two processes
