@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lmcache.utils import LayerCacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.storage_backend import create_lower_backends
+from lmcache.v1.storage_backend.remote_backend import MAX_PLAIN_KEY
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 from tests.redis_fixtures import RedisServer
 from tests.remote_fixtures import (
@@ -140,6 +141,26 @@ def test_namespaces_and_layer_keys_are_separate(redis_server, remote_manager):
         obj.ref_count_down()
     finally:
         ec.close()
+
+
+@pytest.mark.parametrize("length", [100, MAX_PLAIN_KEY + 1, 20_000, 200_000])
+def test_keys_of_any_length_round_trip_under_a_short_redis_key(redis_server, length, remote_manager):
+    """A key's string form has no length limit; its Redis key stays short and still unique."""
+    sm = remote_manager(redis_server.url)
+    remote = remote_of(sm)
+    long_key = CacheEngineKey("m", 1, 0, 77, "float32", (("tag", "x" * length),))
+    rkey = remote.remote_key(long_key)
+    assert len(rkey) < 600
+    obj = random_obj(sm, (3, 16), seed=2)
+    remote.submit_put(long_key, obj)
+    assert remote.flush(FLUSH_S)
+    assert remote.batched_contains([long_key]) == 1
+    got = remote.get_blocking(long_key)
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    other = CacheEngineKey("m", 1, 0, 77, "float32", (("tag", "y" * length),))
+    assert remote.remote_key(other) != rkey and remote.get_blocking(other) is None
+    got.ref_count_down()
+    obj.ref_count_down()
 
 
 def test_write_budget_drops_instead_of_blocking(redis_server, remote_manager):

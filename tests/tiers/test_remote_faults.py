@@ -276,6 +276,28 @@ def test_value_from_another_namespace_is_rejected(redis_server: RedisServer, oth
         reader.close()
 
 
+@pytest.mark.parametrize("kind", ["list", "hash", "set"])
+def test_value_of_another_redis_type_is_a_miss_deleted_and_rewritten(redis_server: RedisServer, kind: str,
+                                                                     remote_manager):
+    sm = remote_manager(redis_server.url)
+    remote = remote_of(sm)
+    rkey = remote.remote_key(key(9))
+    client = redis_server.client()
+    {"list": lambda: client.rpush(rkey, b"x"), "hash": lambda: client.hset(rkey, "f", "v"),
+     "set": lambda: client.sadd(rkey, b"x")}[kind]()
+    assert sm.batched_contains([key(9)]) == 1  # EXISTS cannot tell
+    assert remote.get_blocking(key(9)) is None
+    assert remote.stats.corrupt == 1
+    assert not client.exists(rkey), "the foreign value is deleted"
+    obj = random_obj(sm, (2, 32), seed=1)
+    remote.submit_put(key(9), obj)
+    assert remote.flush(FLUSH_S)
+    got = remote.get_blocking(key(9))
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    got.ref_count_down()
+    obj.ref_count_down()
+
+
 # ---------------------------------------------------------------------- credentials
 @pytest.mark.parametrize("given_password", ["wrong-password", None])
 def test_wrong_password_disables_tier_with_one_log_line(redis_server_factory, caplog, given_password):
