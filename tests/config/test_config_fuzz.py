@@ -1,91 +1,18 @@
-"""Hardening issue (#13), configuration: items 6 (secrets) and 11 (NaN/inf), extra_config
-keys, ``local_disk: ""``, and a config fuzz test (result or ConfigError, never a secret)."""
+"""Config fuzz: any document or file text gives a config or a ConfigError, never a secret
+in an error, a repr or a log line, and never a non-finite size or timeout."""
 
 from __future__ import annotations
 
 import logging
 import math
 
-import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, config_keys
-from lmcache.v1.storage_backend.connector import mask_url, parse_remote_url
-from lmcache.v1.storage_backend.remote_backend import RemoteOptions
 
 
-# ----------------------------------------------------------------------------- item 6
-@pytest.mark.parametrize("value", [123456789, 3.25, ["hunter2"], {"p": "hunter2"}, True])
-def test_item6_non_string_password_is_never_echoed(value):
-    with pytest.raises(ConfigError, match="remote_password") as info:
-        LMCacheEngineConfig.from_dict({"remote_password": value})
-    for text in ("123456789", "3.25", "hunter2", "True"):
-        assert text not in str(info.value)
-
-
-@pytest.mark.parametrize("pw", ["p@ss", "a@b@c", "x/y?z#w", "se:cr:et", "  spaced  ", "%40enc", "ünï"])
-def test_item6_url_credentials_never_in_repr_str_or_errors(pw):
-    url = f"redis://user:{pw}@host:6379/0"
-    cfg = LMCacheEngineConfig.from_dict({"remote_url": url, "remote_password": "other-" + pw})
-    for text in (repr(cfg), str(cfg), mask_url(url), repr(parse_remote_url(url))):
-        assert pw not in text, text
-    assert mask_url(url) == "redis://user:***@host:6379/0"
-    with pytest.raises(ValueError) as info:
-        parse_remote_url(f"redis://user:{pw}@host:notaport")
-    assert pw not in str(info.value)
-    with pytest.raises(ConfigError) as info:
-        LMCacheEngineConfig.from_dict({"remote_url": f"user:{pw}@host"})  # no scheme
-    assert pw not in str(info.value)
-
-
-# ----------------------------------------------------------------------------- item 11
-@pytest.mark.parametrize("key", ["max_local_cpu_size", "max_local_disk_size", "remote_timeout", "max_hidden_state_cpu_size"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "nan", "inf", "-Infinity", 10**400])
-def test_item11_nan_and_inf_rejected_for_every_float_key(key, value):
-    with pytest.raises(ConfigError, match=key):
-        LMCacheEngineConfig.from_dict({key: value})
-
-
-@pytest.mark.parametrize("name", ["remote_backoff_max", "remote_backoff_initial"])
-@pytest.mark.parametrize("value", ["nan", "inf", float("nan")])
-def test_item11_remote_backoff_nan_rejected(name, value):
-    if isinstance(value, float):
-        with pytest.raises(ConfigError):  # already at the config boundary
-            LMCacheEngineConfig.from_dict({"extra_config": {name: value}})
-        return
-    cfg = LMCacheEngineConfig.from_dict({"extra_config": {name: value}})
-    with pytest.raises(ValueError, match=name):
-        RemoteOptions.from_config(cfg, 1 << 30)
-
-
-def test_item11_remote_int_options_reject_inf():
-    cfg = LMCacheEngineConfig.from_dict({"extra_config": {"remote_workers": "inf"}})
-    with pytest.raises(ValueError, match="remote_workers"):
-        RemoteOptions.from_config(cfg, 1 << 30)
-
-
-# ----------------------------------------------------------------------------- extra_config, local_disk
-def test_extra_config_typo_is_warned_with_did_you_mean(caplog):
-    caplog.set_level(logging.WARNING, logger="lmcache")
-    LMCacheEngineConfig.from_dict({"extra_config": {"remote_backof_max": 3, "local_disk_o_direct": True}})
-    msgs = [r.getMessage() for r in caplog.records]
-    assert any("extra_config.remote_backof_max" in m and "extra_config.remote_backoff_max" in m for m in msgs), msgs
-    assert not any("local_disk_o_direct" in m for m in msgs)
-
-
-@pytest.mark.parametrize("value", ["", "   ", "file://"])
-def test_local_disk_empty_string_raises(value):
-    with pytest.raises(ConfigError, match="local_disk"):
-        LMCacheEngineConfig.from_dict({"local_disk": value, "max_local_disk_size": 1})
-
-
-def test_local_disk_null_means_unset():
-    assert LMCacheEngineConfig.from_dict({"local_disk": None}).local_disk is None
-
-
-# ----------------------------------------------------------------------------- fuzz
 _secret = st.text(min_size=4, max_size=24).map(lambda s: "Zq9" + s.replace("\x00", "") + "Kw7")
 _scalar = st.one_of(
     st.none(),

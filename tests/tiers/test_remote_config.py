@@ -63,6 +63,22 @@ def test_mask_url_hides_any_password(user, pw, scheme):
     assert mask_url("redis://host:1/0") == "redis://host:1/0"
 
 
+@pytest.mark.parametrize("pw", ["p@ss", "a@b@c", "x/y?z#w", "se:cr:et", "  spaced  ", "%40enc", "ünï"])
+def test_url_credentials_never_in_repr_str_or_errors(pw):
+    url = f"redis://user:{pw}@host:6379/0"
+    cfg = LMCacheEngineConfig.from_dict({"remote_url": url, "remote_password": "other-" + pw})
+    for text in (repr(cfg), str(cfg), mask_url(url), repr(parse_remote_url(url))):
+        assert pw not in text, text
+    assert mask_url(url) == "redis://user:***@host:6379/0"
+    with pytest.raises(ValueError) as info:
+        parse_remote_url(f"redis://user:{pw}@host:notaport")
+    assert pw not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        LMCacheEngineConfig.from_dict({"remote_url": f"user:{pw}@host"})  # no scheme
+    assert pw not in str(info.value)
+
+
+# ---------------------------------------------------------------------- credentials
 def test_config_credentials_from_env_and_never_in_repr(monkeypatch):
     monkeypatch.setenv("LMCACHE_REMOTE_URL", "redis://127.0.0.1:1")
     monkeypatch.setenv("LMCACHE_REMOTE_USERNAME", "alice")
@@ -74,6 +90,7 @@ def test_config_credentials_from_env_and_never_in_repr(monkeypatch):
     assert LMCacheEngineConfig.from_dict({}).remote_password is None
 
 
+# ---------------------------------------------------------------------- options
 @pytest.mark.parametrize(
     "extra, words",
     [
@@ -88,6 +105,24 @@ def test_config_credentials_from_env_and_never_in_repr(monkeypatch):
 def test_remote_options_reject_bad_values(extra, words):
     cfg = remote_config("redis://127.0.0.1:1", extra_config=extra)
     with pytest.raises(ValueError, match=words):
+        RemoteOptions.from_config(cfg, 1 << 30)
+
+
+@pytest.mark.parametrize("name", ["remote_backoff_max", "remote_backoff_initial"])
+@pytest.mark.parametrize("value", ["nan", "inf", float("nan")])
+def test_remote_backoff_refuses_nan_and_inf(name, value):
+    if isinstance(value, float):
+        with pytest.raises(ConfigError):  # already at the config boundary
+            LMCacheEngineConfig.from_dict({"extra_config": {name: value}})
+        return
+    cfg = LMCacheEngineConfig.from_dict({"extra_config": {name: value}})
+    with pytest.raises(ValueError, match=name):
+        RemoteOptions.from_config(cfg, 1 << 30)
+
+
+def test_remote_int_options_refuse_inf():
+    cfg = LMCacheEngineConfig.from_dict({"extra_config": {"remote_workers": "inf"}})
+    with pytest.raises(ValueError, match="remote_workers"):
         RemoteOptions.from_config(cfg, 1 << 30)
 
 
