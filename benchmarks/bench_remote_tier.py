@@ -128,8 +128,8 @@ def main() -> None:
     server = None
     url = args.url
     if url is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from redis_fixtures import RedisServer
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for its tests package
+        from tests.redis_fixtures import RedisServer
 
         server = RedisServer().start()
         url = server.url

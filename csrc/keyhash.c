@@ -1,7 +1,7 @@
 /* lmcache._keyhash: chained chunk hashes of a token sequence in one native pass.
  *
  * Optional CPython extension built by setup.py; lmcache/v1/token_database.py falls back to
- * hashlib when it is missing and both produce identical keys (tests/v1/test_keyhash.py).
+ * hashlib when it is missing and both produce identical keys (tests/keys/test_keyhash.py).
  *
  *   hash_chunks(tokens, seed, chunk_size, partial) -> (num_tokens, digests) | None
  *       tokens: a list or tuple of Python ints, or a C-contiguous 1-D buffer of

@@ -323,11 +323,11 @@ step_suite() {
   local logf=$OUT/suite.log xml=$WORK/suite.xml files
   : >"$logf"
   if [[ $MODE == dry ]]; then
-    files=(tests/v1/test_memory.py)
+    files=(tests/memory/test_memory.py)
   else
-    files=(tests/v1/test_memory.py tests/v1/test_native_kernels.py tests/v1/test_layerwise.py
-           tests/v1/test_engine_roundtrip.py tests/v1/test_hidden_state_store.py tests/v1/test_ec_engine.py
-           tests/v1/test_thinker_talker.py tests/v1/test_local_disk_backend.py tests/v1/test_storage_manager_tiers.py)
+    files=(tests/memory/test_memory.py tests/kernels/test_native_kernels.py tests/engine/test_layerwise.py
+           tests/engine/test_engine_roundtrip.py tests/engine/test_hidden_state_store.py tests/ec/test_ec_engine.py
+           tests/engine/test_thinker_talker.py tests/tiers/test_local_disk_backend.py tests/tiers/test_storage_manager_tiers.py)
   fi
   if (( $(remaining) < 60 )); then
     record suite SKIP 0 "less than 60 s of the budget left"

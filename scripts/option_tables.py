@@ -6,7 +6,7 @@ field metadata is their only source. Run from the repository root:
     PYTHONPATH=$PWD .venv/bin/python scripts/option_tables.py --write   # rewrite the block
     PYTHONPATH=$PWD .venv/bin/python scripts/option_tables.py           # exit 1 if stale
 
-``tests/v1/test_options.py`` runs the check.
+``tests/config/test_options.py`` runs the check.
 """
 
 from __future__ import annotations

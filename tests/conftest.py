@@ -3,7 +3,8 @@
 Settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLLM.
 Fixtures every test module may request by name (no import needed): ``redis_server``,
 ``redis_server_factory``, ``redis_cluster`` and ``redis_cluster_module``
-(:mod:`tests.redis_fixtures`), and ``tiny_llama_dir`` (:mod:`tests.vllm_utils`).
+(:mod:`tests.redis_fixtures`), ``remote_manager`` (:mod:`tests.remote_fixtures`) and
+``tiny_llama_dir`` (:mod:`tests.vllm_utils`).
 ``tests`` is a package: helpers are imported as ``from tests.<module> import ...``.
 """
 
@@ -15,9 +16,11 @@ import os
 import pytest
 
 from tests.redis_fixtures import redis_cluster, redis_cluster_module, redis_server, redis_server_factory
+from tests.remote_fixtures import remote_manager
 from tests.vllm_utils import tiny_llama_dir
 
-SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_server_factory, tiny_llama_dir)
+SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_server_factory, remote_manager,
+                   tiny_llama_dir)
 """Collected by pytest from this module's namespace."""
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -64,6 +64,6 @@ def build_cuda_kernels(out: Path, arch: str) -> Path:
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment plus the repository on ``PYTHONPATH`` (a ``python -c``
-    helper then imports ``tests.v1.<module>``) and ``extra``."""
+    helper then imports ``tests.<subject>.<module>``) and ``extra``."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path, **extra)

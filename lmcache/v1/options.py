@@ -11,7 +11,7 @@ whose fields say everything about a key:
   infinities are rejected, ...),
 * bounds (``ge``, ``gt``) or ``choices``,
 * the one-line description, which is the source of the option tables in the docs
-  (:func:`markdown_table`; ``tests/v1/test_options.py`` checks the docs against it).
+  (:func:`markdown_table`; ``tests/config/test_options.py`` checks the docs against it).
 
 :func:`parse_options` builds an instance from ``extra_config``; a bad value raises
 :class:`~lmcache.v1.config.ConfigError` naming the key, the value and the

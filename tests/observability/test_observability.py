@@ -1,6 +1,6 @@
 """Logs, per-tier stats, metric payloads and sinks, the summary line, fail-fast config errors,
 ``model_namespace`` (docs/observability.md). Real engines and tiers; vLLM is faked only where
-the adapter is driven without a model (tests/v1/test_vllm_connector_unit.py's MiniVLLM)."""
+the adapter is driven without a model (tests/vllm_adapter/test_vllm_connector_unit.py's MiniVLLM)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from lmcache.observability.summary import SummaryLogger
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 from lmcache.v1.token_database import ChunkedTokenDatabase
-from tests.v1.test_vllm_connector_unit import FakeModelConfig, FakeRequest, MiniVLLM, fake_vllm_config, prompt
+from tests.vllm_adapter.test_vllm_connector_unit import FakeModelConfig, FakeRequest, MiniVLLM, fake_vllm_config, prompt
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=64, block_size=16)
@@ -374,7 +374,7 @@ def test_model_namespace_lets_two_paths_share_keys():
     assert keys("/a/model", "one") != keys("/a/model", "two")
 
 
-from tests.v1.test_vllm_connector_unit import SPEC as SPEC_UNIT  # noqa: E402
+from tests.vllm_adapter.test_vllm_connector_unit import SPEC as SPEC_UNIT  # noqa: E402
 
 
 # ------------------------------------------------------------------------ KV events

@@ -13,7 +13,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_engine, random_kv_caches, random_slot_mapping
-from tests.v1.test_engine_roundtrip import assert_same_tokens, written_slots
+from tests.engine.test_engine_roundtrip import assert_same_tokens, written_slots
 
 CHUNK = 32
 BLOCK = 8

@@ -15,17 +15,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff
+from lmcache.v1.storage_backend.entry_format import decode_header
+from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
 from tests.redis_fixtures import RedisServer
-from tests.v1.test_remote_backend import FLUSH_S, key, make_manager, random_obj, remote_of
-
-from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.storage_backend.connector.breaker import CircuitBreaker, ExponentialBackoff  # noqa: E402
-from lmcache.v1.storage_backend.entry_format import decode_header  # noqa: E402
-from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
+from tests.remote_fixtures import FAST, FLUSH_S, key, random_obj, remote_of
 
 TIMEOUT = 0.5
 SLACK = 3.0  # scheduling noise on a shared machine; a hang would be unbounded
-FAST = {"remote_backoff_initial": 0.05, "remote_backoff_max": 0.5}
 SPEC = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=64, block_size=16)
 
 
@@ -143,57 +141,51 @@ def test_local_tiers_serve_and_remote_refills_after_restart(redis_server: RedisS
         b.close()
 
 
-def test_server_down_at_start_then_comes_up(redis_server: RedisServer, caplog):
+def test_server_down_at_start_then_comes_up(redis_server: RedisServer, caplog, remote_manager):
     caplog.set_level(logging.INFO, logger="lmcache")
     redis_server.stop()
-    sm = bounded(make_manager, redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
-    try:
-        rb = remote_of(sm)
-        assert not rb.available and rb.disabled_reason is None
-        assert rb.batched_contains([key(1)]) == 0
-        redis_server.restart()
-        assert rb.wait_available(30)
-        obj = random_obj(sm, (128,))
-        rb.submit_put(key(1), obj)
-        assert rb.flush(FLUSH_S) and rb.contains(key(1))
-        obj.ref_count_down()
-    finally:
-        sm.close()
+    sm = bounded(remote_manager, redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
+    rb = remote_of(sm)
+    assert not rb.available and rb.disabled_reason is None
+    assert rb.batched_contains([key(1)]) == 0
+    redis_server.restart()
+    assert rb.wait_available(30)
+    obj = random_obj(sm, (128,))
+    rb.submit_put(key(1), obj)
+    assert rb.flush(FLUSH_S) and rb.contains(key(1))
+    obj.ref_count_down()
 
 
 # ---------------------------------------------------------------------- slow server
-def test_paused_server_timeouts_are_honoured(redis_server: RedisServer):
-    sm = make_manager(redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
+def test_paused_server_timeouts_are_honoured(redis_server: RedisServer, remote_manager):
+    sm = remote_manager(redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
+    rb = remote_of(sm)
+    objs = [random_obj(sm, (256, 1024), seed=i) for i in range(3)]  # 1 MiB each
+    for i, o in enumerate(objs):
+        rb.submit_put(key(i), o)
+    assert rb.flush(FLUSH_S)
+    redis_server.pause()  # SIGSTOP: connections stay open, nothing is answered
     try:
-        rb = remote_of(sm)
-        objs = [random_obj(sm, (256, 1024), seed=i) for i in range(3)]  # 1 MiB each
+        assert bounded(rb.get_blocking, key(0)) is None
+        assert rb.stats.breaker_open == 1
+        assert bounded(rb.batched_contains, [key(0), key(1)], limit=0.5) == 0
+        assert bounded(rb.get_non_blocking(key(1)).result, limit=0.5) is None
         for i, o in enumerate(objs):
-            rb.submit_put(key(i), o)
-        assert rb.flush(FLUSH_S)
-        redis_server.pause()  # SIGSTOP: connections stay open, nothing is answered
-        try:
-            assert bounded(rb.get_blocking, key(0)) is None
-            assert rb.stats.breaker_open == 1
-            assert bounded(rb.batched_contains, [key(0), key(1)], limit=0.5) == 0
-            assert bounded(rb.get_non_blocking(key(1)).result, limit=0.5) is None
-            for i, o in enumerate(objs):
-                bounded(rb.submit_put, key(10 + i), o, limit=0.5)
-            assert bounded(rb.flush, FLUSH_S)
-            assert all(o.ref_count == 1 for o in objs)
-        finally:
-            redis_server.resume()
-        assert rb.wait_available(30)
-        got = rb.get_blocking(key(2))
-        assert got is not None and torch.equal(got.byte_array, objs[2].byte_array)
-        got.ref_count_down()
-        for o in objs:
-            o.ref_count_down()
+            bounded(rb.submit_put, key(10 + i), o, limit=0.5)
+        assert bounded(rb.flush, FLUSH_S)
+        assert all(o.ref_count == 1 for o in objs)
     finally:
-        sm.close()
+        redis_server.resume()
+    assert rb.wait_available(30)
+    got = rb.get_blocking(key(2))
+    assert got is not None and torch.equal(got.byte_array, objs[2].byte_array)
+    got.ref_count_down()
+    for o in objs:
+        o.ref_count_down()
 
 
-def test_paused_server_during_writes_and_close(redis_server: RedisServer):
-    sm = make_manager(redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
+def test_paused_server_during_writes_and_close(redis_server: RedisServer, remote_manager):
+    sm = remote_manager(redis_server.url, remote_timeout=TIMEOUT, extra_config=FAST)
     objs = [random_obj(sm, (512, 1024), seed=i) for i in range(6)]  # 2 MiB each
     redis_server.pause()
     try:
@@ -212,82 +204,98 @@ def test_paused_server_during_writes_and_close(redis_server: RedisServer):
 
 # ---------------------------------------------------------------------- bad values
 @pytest.mark.parametrize("damage", ["payload_bit", "header_bit", "truncated", "garbage", "empty", "extended"])
-def test_corrupted_value_is_a_miss_and_is_dropped(redis_server: RedisServer, damage: str, caplog):
-    sm = make_manager(redis_server.url)
-    try:
-        rb = remote_of(sm)
-        obj = random_obj(sm, (64, 64), seed=1)
-        rb.submit_put(key(1), obj)
-        assert rb.flush(FLUSH_S)
-        client = redis_server.client()
-        rkey = rb.remote_key(key(1))
-        value = bytearray(client.get(rkey))
-        hlen = decode_header(value).header_len
-        if damage == "payload_bit":
-            value[hlen + 1000] ^= 0x10
-        elif damage == "header_bit":
-            value[12] ^= 0x01
-        elif damage == "truncated":
-            value = value[: len(value) - 100]
-        elif damage == "garbage":
-            value = bytearray(b"\x80\x04\x95 not an entry, and never unpickled" * 10)
-        elif damage == "empty":
-            value = bytearray()
-        else:
-            value += b"trailing"
-        client.set(rkey, bytes(value))
-        assert rb.contains(key(1))
-        assert rb.get_blocking(key(1)) is None
-        assert rb.stats.corrupt == 1 and rb.stats.hits == 0
-        assert not rb.contains(key(1)), "a corrupt entry is deleted"
-        assert sm.allocator.used_bytes == obj.get_size(), "the failed read must return its pool memory"
-        # the tier still works afterwards
-        rb.submit_put(key(1), obj)
-        assert rb.flush(FLUSH_S)
-        got = rb.get_blocking(key(1))
-        assert got is not None and torch.equal(got.byte_array, obj.byte_array)
-        got.ref_count_down()
-        obj.ref_count_down()
-    finally:
-        sm.close()
+def test_corrupted_value_is_a_miss_and_is_dropped(redis_server: RedisServer, damage: str, caplog, remote_manager):
+    sm = remote_manager(redis_server.url)
+    rb = remote_of(sm)
+    obj = random_obj(sm, (64, 64), seed=1)
+    rb.submit_put(key(1), obj)
+    assert rb.flush(FLUSH_S)
+    client = redis_server.client()
+    rkey = rb.remote_key(key(1))
+    value = bytearray(client.get(rkey))
+    hlen = decode_header(value).header_len
+    if damage == "payload_bit":
+        value[hlen + 1000] ^= 0x10
+    elif damage == "header_bit":
+        value[12] ^= 0x01
+    elif damage == "truncated":
+        value = value[: len(value) - 100]
+    elif damage == "garbage":
+        value = bytearray(b"\x80\x04\x95 not an entry, and never unpickled" * 10)
+    elif damage == "empty":
+        value = bytearray()
+    else:
+        value += b"trailing"
+    client.set(rkey, bytes(value))
+    assert rb.contains(key(1))
+    assert rb.get_blocking(key(1)) is None
+    assert rb.stats.corrupt == 1 and rb.stats.hits == 0
+    assert not rb.contains(key(1)), "a corrupt entry is deleted"
+    assert sm.allocator.used_bytes == obj.get_size(), "the failed read must return its pool memory"
+    # the tier still works afterwards
+    rb.submit_put(key(1), obj)
+    assert rb.flush(FLUSH_S)
+    got = rb.get_blocking(key(1))
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    got.ref_count_down()
+    obj.ref_count_down()
+    sm.close()
     assert sm.allocator.used_bytes == 0, "no pool memory leaked by failed reads"
     assert sum("invalid entry" in w for w in remote_warnings(caplog)) == 1
 
 
 @pytest.mark.parametrize("other", ["namespace", "prefix", "key"])
-def test_value_from_another_namespace_is_rejected(redis_server: RedisServer, other: str):
-    kv_sm = make_manager(redis_server.url)
+def test_value_from_another_namespace_is_rejected(redis_server: RedisServer, other: str, remote_manager):
+    kv_sm = remote_manager(redis_server.url)
     extra = {"remote_key_prefix": "tenant-b"} if other == "prefix" else {}
-    other_sm = make_manager(redis_server.url, extra_config=extra)
-    try:
-        writer = remote_of(kv_sm)
-        if other == "namespace":
-            from lmcache.v1.storage_backend import create_lower_backends
+    other_sm = remote_manager(redis_server.url, extra_config=extra)
+    writer = remote_of(kv_sm)
+    if other == "namespace":
+        from lmcache.v1.storage_backend import create_lower_backends
 
-            reader = create_lower_backends(other_sm.config, other_sm.local_cpu, namespace="ec")[0]
-        else:
-            reader = remote_of(other_sm)
-        obj = random_obj(kv_sm, (32, 32), seed=3)
-        writer.submit_put(key(1), obj)
-        assert writer.flush(FLUSH_S)
-        client = redis_server.client()
-        target = key(2) if other == "key" else key(1)
-        target_rkey = (writer if other == "key" else reader).remote_key(target)
-        assert target_rkey != writer.remote_key(key(1))
-        client.copy(writer.remote_key(key(1)), target_rkey)  # a byte-exact copy under another name
-        reader_backend = writer if other == "key" else reader
-        assert reader_backend.contains(target)
-        assert reader_backend.get_blocking(target) is None
-        assert reader_backend.stats.corrupt == 1
-        got = writer.get_blocking(key(1))  # the original is untouched
-        assert got is not None
-        got.ref_count_down()
-        obj.ref_count_down()
-        if other == "namespace":
-            reader.close()
-    finally:
-        kv_sm.close()
-        other_sm.close()
+        reader = create_lower_backends(other_sm.config, other_sm.local_cpu, namespace="ec")[0]
+    else:
+        reader = remote_of(other_sm)
+    obj = random_obj(kv_sm, (32, 32), seed=3)
+    writer.submit_put(key(1), obj)
+    assert writer.flush(FLUSH_S)
+    client = redis_server.client()
+    target = key(2) if other == "key" else key(1)
+    target_rkey = (writer if other == "key" else reader).remote_key(target)
+    assert target_rkey != writer.remote_key(key(1))
+    client.copy(writer.remote_key(key(1)), target_rkey)  # a byte-exact copy under another name
+    reader_backend = writer if other == "key" else reader
+    assert reader_backend.contains(target)
+    assert reader_backend.get_blocking(target) is None
+    assert reader_backend.stats.corrupt == 1
+    got = writer.get_blocking(key(1))  # the original is untouched
+    assert got is not None
+    got.ref_count_down()
+    obj.ref_count_down()
+    if other == "namespace":
+        reader.close()
+
+
+@pytest.mark.parametrize("kind", ["list", "hash", "set"])
+def test_value_of_another_redis_type_is_a_miss_deleted_and_rewritten(redis_server: RedisServer, kind: str,
+                                                                     remote_manager):
+    sm = remote_manager(redis_server.url)
+    remote = remote_of(sm)
+    rkey = remote.remote_key(key(9))
+    client = redis_server.client()
+    {"list": lambda: client.rpush(rkey, b"x"), "hash": lambda: client.hset(rkey, "f", "v"),
+     "set": lambda: client.sadd(rkey, b"x")}[kind]()
+    assert sm.batched_contains([key(9)]) == 1  # EXISTS cannot tell
+    assert remote.get_blocking(key(9)) is None
+    assert remote.stats.corrupt == 1
+    assert not client.exists(rkey), "the foreign value is deleted"
+    obj = random_obj(sm, (2, 32), seed=1)
+    remote.submit_put(key(9), obj)
+    assert remote.flush(FLUSH_S)
+    got = remote.get_blocking(key(9))
+    assert got is not None and torch.equal(got.byte_array, obj.byte_array)
+    got.ref_count_down()
+    obj.ref_count_down()
 
 
 # ---------------------------------------------------------------------- credentials

@@ -120,7 +120,7 @@ def test_prefix_probe_matches_python(keys, present, start):
 def test_python_key_ops_in_a_process_without_native(tmp_path):
     """LMCACHE_NATIVE_HASH=0 at import: Python __hash__/__eq__, same keys and hash values."""
     code = (
-        "import json; from lmcache.v1 import keys as K; from tests.v1.test_keys import make_db\n"
+        "import json; from lmcache.v1 import keys as K; from tests.keys.test_keys import make_db\n"
         "ks = [k for *_, k in make_db().process_tokens(list(range(40)), cache_salt='s')]\n"
         "a, b = ks[0], K.CacheEngineKey.from_string(ks[0].to_string())\n"
         "print(json.dumps([K.NATIVE_KEY_OPS, a == b, hash(a) == hash(b), [k.to_string() for k in ks],"
@@ -128,7 +128,7 @@ def test_python_key_ops_in_a_process_without_native(tmp_path):
     )
     import json
 
-    from tests.v1.test_keys import make_db
+    from tests.keys.test_keys import make_db
 
     env = dict(os.environ, LMCACHE_NATIVE_HASH="0", PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd=ROOT)

@@ -144,6 +144,23 @@ def test_put_of_resident_entry_copies_nothing(engine):
     assert engine.stats.snapshot()["put_existing"] == 1
 
 
+def test_put_and_get_validate_their_arguments():
+    ec = ECCacheEngine(LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.05}), "m", torch.float32)
+    try:
+        with pytest.raises(TypeError, match="mm_hash"):
+            ec.put(123, torch.zeros(2, 2))
+        with pytest.raises(TypeError, match="tensor"):
+            ec.put("a", [[1.0]])
+        with pytest.raises(ValueError, match="tensor"):
+            ec.put("a", torch.tensor(1.0))
+        assert ec.put("a", torch.ones(2, 3))
+        with pytest.raises(ValueError, match="device"):
+            ec.get("a", device="not-a-device")
+        assert torch.equal(ec.get("a"), torch.ones(2, 3))
+    finally:
+        ec.close()
+
+
 # ----------------------------------------------------------------------------- ownership
 def test_returned_tensor_never_aliases_cache_memory(engine):
     src = torch.randn(6, 8)

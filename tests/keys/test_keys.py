@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,10 @@ from hypothesis import strategies as st
 from lmcache.utils import KEY_DTYPE_NAMES, CacheEngineKey, LayerCacheEngineKey, parse_cache_key
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
-from lmcache.v1.token_database import ChunkedTokenDatabase
+from lmcache.v1.request import KeyExtras
+from lmcache.v1.token_database import KEY_FORMAT_VERSION, ChunkedTokenDatabase
+
+REPO = Path(__file__).resolve().parents[2]
 
 text = st.text(min_size=1, max_size=20)
 
@@ -110,7 +114,7 @@ def test_namespace_and_salt_make_keys_disjoint():
 
 _CHILD = """
 import json, torch
-from tests.v1.test_keys import make_db
+from tests.keys.test_keys import make_db
 print(json.dumps([k.to_string() for *_, k in make_db().process_tokens(list(range(40)), cache_salt="s")]))
 """
 
@@ -144,3 +148,60 @@ def test_key_equality_and_hash():
     assert layers == layers2 and {k: i for i, k in enumerate(layers)}[layers2[2]] == 2
     assert layers[0] != a and a != layers[0] and layers[0] != layers[1]
     assert LayerCacheEngineKey("m", 1, 0, 5, "bfloat16", (), 0) == layers[0]
+
+
+# ---------------------------------------------------------------------- extras (salt, extra_keys, request_configs)
+def test_salt_and_extra_keys_do_not_collide():
+    db = make_db()
+    tokens = list(range(40))
+    a = [k for *_, k in db.process_tokens(tokens, cache_salt="s", extra_keys=["lora=X"])]
+    b = [k for *_, k in db.process_tokens(tokens, cache_salt="s|extra=lora=X")]
+    assert set(a).isdisjoint(b)
+
+
+@pytest.mark.parametrize(
+    "x, y",
+    [
+        (dict(extra_keys=["a", "b"]), dict(extra_keys=["ab"])),
+        (dict(extra_keys=["a|b"]), dict(extra_keys=["a", "b"])),
+        (dict(request_configs={"a": "b=c"}), dict(request_configs={"a=b": "c"})),
+        (dict(request_configs={"t": 1}), dict(request_configs={"t": "1"})),
+        (dict(cache_salt="x"), dict(extra_keys=["x"])),
+        (dict(extra_keys=[1]), dict(extra_keys=["1"])),
+    ],
+)
+def test_key_extras_encoding_is_injective(x, y):
+    assert KeyExtras.build(**x).encode() != KeyExtras.build(**y).encode()
+    db = make_db()
+    ka = [k.chunk_hash for *_, k in db.process_tokens(list(range(16)), **x)]
+    kb = [k.chunk_hash for *_, k in db.process_tokens(list(range(16)), **y)]
+    assert ka != kb
+
+
+_EXTRAS_CHILD = """
+import json
+from tests.keys.test_keys import make_db
+db = make_db()
+out = [k.to_string() for *_, k in db.process_tokens(list(range(40)), cache_salt="s",
+       extra_keys=["lora=X", 7], request_configs={"b": 1.5, "a": "x"})]
+print(json.dumps(out))
+"""
+
+
+def test_keys_with_extras_identical_across_processes_and_hash_seeds():
+    outs = []
+    for seed in ("1", "98765"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
+        res = subprocess.run([sys.executable, "-c", _EXTRAS_CHILD], env=env, capture_output=True, text=True, check=True, cwd=REPO)
+        outs.append(json.loads(res.stdout))
+    local = [
+        k.to_string()
+        for *_, k in make_db().process_tokens(
+            list(range(40)), cache_salt="s", extra_keys=["lora=X", 7], request_configs={"a": "x", "b": 1.5}
+        )
+    ]
+    assert outs[0] == outs[1] == local
+
+
+def test_key_format_version_is_v2():
+    assert KEY_FORMAT_VERSION == "lmcache-key-v2"

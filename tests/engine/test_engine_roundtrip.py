@@ -7,6 +7,7 @@ import torch
 
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.layerwise import layer_keys
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_connector, make_engine, make_metadata, random_kv_caches, random_slot_mapping
 
 CHUNK = 16
@@ -192,3 +193,65 @@ def test_connector_takes_objects_with_a_tensor_and_names_a_bad_one(use_native, m
     assert_same_tokens(kv, slots, out, slots, spec, 2 * CHUNK)
     with pytest.raises(TypeError, match=r"objs\[1\]: expected a MemoryObj.*got str"):
         conn.batched_from_gpu([SimpleNamespace(tensor=mems[0]), "not an object"], starts, ends, kvcaches=kv, slot_mapping=slots)
+
+
+# ---------------------------------------------------------------------- slot types, holes, bad entries
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_int32_and_int64_slot_mappings_round_trip(dtype):
+    spec = KVSpec(num_blocks=8, block_size=8)
+    engine = make_engine(spec)
+    kv = random_kv_caches(spec, seed=3)
+    slots = random_slot_mapping(spec, 32).to(dtype)
+    assert engine.store(list(range(32)), kvcaches=kv, slot_mapping=slots) == 32
+    out = [torch.zeros_like(t) for t in kv]
+    assert bool(engine.retrieve(list(range(32)), kvcaches=out, slot_mapping=slots).all())
+    for a, b in zip(kv, out):
+        flat_a, flat_b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        used = sorted({int(s) // 8 for s in slots})
+        assert torch.equal(flat_a[used], flat_b[used])
+    engine.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_retrieve_mask_is_false_for_skipped_slots(layerwise):
+    spec = KVSpec(num_blocks=8, block_size=8)
+    engine = make_engine(spec, layerwise=layerwise)
+    kv = random_kv_caches(spec)
+    slots = random_slot_mapping(spec, 32)
+    engine.store(list(range(32)), kvcaches=kv, slot_mapping=slots)
+    holes = slots.clone()
+    holes[[0, 17, 31]] = -1
+    ret = engine.retrieve(list(range(32)), kvcaches=[torch.zeros_like(t) for t in kv], slot_mapping=holes)
+    assert ret.tolist() == (holes >= 0).tolist()
+    engine.close()
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_stored_entry_of_another_shape_is_a_miss_removed_and_counted(layerwise):
+    spec = KVSpec(num_blocks=8, block_size=8)
+    engine = make_engine(spec, layerwise=layerwise)
+    kv, slots, tokens = random_kv_caches(spec), random_slot_mapping(spec, 32), list(range(32))
+    sm = engine.storage_manager
+    key = engine.keys(tokens)[0]
+    if layerwise:
+        per_layer = [layer[0] for layer in layer_keys([key], spec.num_layers)]
+        key = per_layer[0]
+        shape = (2, 1, CHUNK // 2, spec.hidden)  # well-formed, wrong token count
+        for other in per_layer[1:]:  # the other layers are fine: the chunk looks cached
+            good = sm.allocate((2, 1, CHUNK, spec.hidden), spec.dtype, engine.gpu_connector.fmt)
+            sm.put(other, good)
+            good.ref_count_down()
+    else:
+        shape = (2, spec.num_layers, CHUNK // 2, spec.hidden)
+    bad = sm.allocate(shape, spec.dtype, engine.gpu_connector.fmt)
+    sm.put(key, bad)
+    bad.ref_count_down()
+    out = [torch.zeros_like(t) for t in kv]
+    for _ in range(2):  # never an exception, every time
+        ret = engine.retrieve(tokens, kvcaches=out, slot_mapping=slots)
+        assert not bool(ret.any())
+    assert engine.stats.corrupt_entries == 1
+    assert not sm.contains(key)
+    assert engine.store(tokens, kvcaches=kv, slot_mapping=slots) == 32  # the prefix is usable again
+    assert bool(engine.retrieve(tokens, kvcaches=out, slot_mapping=slots).all())
+    engine.close()

@@ -196,10 +196,54 @@ def test_release_build_guards_random_shapes():
         run_case(k, rnd)
 
 
+# ----------------------------------------------------------------------------- layers of different sizes
+def _impls() -> list[str]:
+    out = ["torch"]
+    if native.load() is not None:
+        out.append("native")
+    return out
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_copy_paths_refuse_a_slot_past_a_shorter_layer(impl, direction):
+    """Below the request layer: the copy paths themselves refuse a slot past a shorter layer."""
+    spec = KVSpec(layout="vllm_cpu", num_layers=2, num_blocks=8, block_size=8)
+    buf = torch.stack(random_kv_caches(spec)).reshape(-1)
+    guard = 4096
+    raw = torch.full((buf.numel() + guard,), 7.0)
+    raw[: buf.numel()] = buf
+    per_layer = buf.numel() // 2
+    layer0 = raw[:per_layer].view(8, 2, 8, 16)
+    layer1 = raw[per_layer : per_layer + per_layer // 2].view(4, 2, 8, 16)  # 4 blocks, same strides
+    geom = get_layout("vllm_cpu").geometry(layer0)
+    slots = torch.arange(40, 48)  # block 5: inside layer 0, past layer 1
+    mem = torch.zeros(2, 2, 8, geom.hidden)
+    before = raw.clone()
+    fn = copy_ops.paged_gather if direction == "gather" else copy_ops.paged_scatter
+    with pytest.raises(IndexError, match="slot"):
+        fn([layer0, layer1], geom, slots, [0], [mem], use_native=impl == "native")
+    assert torch.equal(raw, before), "nothing may be written when a slot is outside a layer"
+    if direction == "gather":
+        assert not bool(mem.any())
+
+
+def test_native_names_the_slot_past_a_shorter_layer():
+    k = native.load()
+    if k is None:
+        pytest.skip("native kernels are not built")
+    spec = KVSpec(layout="flashinfer", num_layers=2, num_blocks=4, block_size=4)
+    kv = random_kv_caches(spec)
+    small = random_kv_caches(KVSpec(layout="flashinfer", num_layers=1, num_blocks=1, block_size=4))[0]
+    geom = get_layout("flashinfer").geometry(kv[0])
+    with pytest.raises(IndexError, match=r"slot_mapping\[0\] = 12"):
+        k.paged_scatter([kv[0], small], geom, torch.tensor([12, 13]), [0], [torch.zeros(2, 2, 2, geom.hidden)])
+
+
 _ASAN_DRIVER = """
 import random, sys
 from lmcache.v1.gpu_connector import native
-from tests.v1.test_native_bounds import run_case
+from tests.kernels.test_native_bounds import run_case
 k = native.load_library(sys.argv[1])
 rnd = random.Random(int(sys.argv[2]))
 for _ in range(int(sys.argv[3])):

@@ -309,6 +309,17 @@ def test_bad_token_ids_rejected(engine) -> None:
         store(engine).store_hidden_states([[1, 2]], torch.zeros(1, DIM))
 
 
+def test_key_extras_must_be_a_list_not_a_string():
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": 16, "max_local_cpu_size": 0.25, "enable_hidden_state_cache": True})
+    engine = make_engine(KVSpec(num_blocks=8, block_size=8), cfg)
+    hs = engine.hidden_state_store
+    with pytest.raises(TypeError, match="extra_keys"):
+        hs.store_hidden_states(list(range(16)), torch.zeros(16, 4), extra_keys="img")
+    with pytest.raises(TypeError, match="extra_keys"):
+        hs.retrieve_hidden_states(list(range(16)), extra_keys="img")
+    engine.close()
+
+
 # ---------------------------------------------------------------------------- allowlist
 def test_layer_allowlist() -> None:
     engine = make_hs_engine(layers=[0, 3])

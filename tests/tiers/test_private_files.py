@@ -1,4 +1,5 @@
-"""Items 3 and 4 of the hardening issue: private socket and disk directories, two users.
+"""Private directories and sockets (lmcache.v1.private_files): the disk tier's directories and
+the lookup service's sockets refuse paths another user could read, plant or replace.
 
 The two-user tests need root (CI runs as root): directories and sockets are created as
 another uid with ``os.chown`` / a child process that drops to that uid.
@@ -59,7 +60,7 @@ def test_group_writable_dir_is_refused_and_0755_tightened(tmp_path):
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
 
 
-def test_item4_planted_kv_symlink_is_refused(tmp_path):
+def test_disk_tier_refuses_a_planted_kv_symlink(tmp_path):
     root = tmp_path / "cache"
     root.mkdir()
     attacker = tmp_path / "attacker"
@@ -71,7 +72,7 @@ def test_item4_planted_kv_symlink_is_refused(tmp_path):
 
 
 @root_only
-def test_item4_kv_dir_of_another_user_is_refused(tmp_path):
+def test_disk_tier_refuses_a_kv_dir_of_another_user(tmp_path):
     root = tmp_path / "cache"
     root.mkdir()
     (root / "kv").mkdir(mode=0o700)
@@ -81,7 +82,7 @@ def test_item4_kv_dir_of_another_user_is_refused(tmp_path):
 
 
 @root_only
-def test_item4_root_dir_of_another_user_is_refused(tmp_path):
+def test_disk_tier_refuses_a_root_dir_of_another_user(tmp_path):
     root = tmp_path / "theirs"
     root.mkdir(mode=0o755)
     os.chown(root, OTHER_UID, OTHER_UID)  # they could rename our kv/ and put theirs in place
@@ -89,7 +90,7 @@ def test_item4_root_dir_of_another_user_is_refused(tmp_path):
         _disk(root)
 
 
-def test_item4_world_writable_root_without_sticky_bit_is_refused(tmp_path):
+def test_disk_tier_refuses_a_world_writable_root_without_sticky_bit(tmp_path):
     root = tmp_path / "open"
     root.mkdir()
     os.chmod(root, 0o777)
@@ -100,7 +101,7 @@ def test_item4_world_writable_root_without_sticky_bit_is_refused(tmp_path):
 
 
 @root_only
-def test_item3_socket_dir_of_another_user_is_refused(tmp_path):
+def test_lookup_socket_dir_of_another_user_is_refused(tmp_path):
     d = tmp_path / "lmcache-sock"
     d.mkdir(mode=0o700)
     os.chown(d, OTHER_UID, OTHER_UID)
@@ -111,7 +112,7 @@ def test_item3_socket_dir_of_another_user_is_refused(tmp_path):
     client.close()
 
 
-def test_item3_default_socket_dir_prefers_xdg_runtime_dir(tmp_path, monkeypatch):
+def test_default_socket_dir_prefers_xdg_runtime_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert default_runtime_dir() == str(tmp_path / "lmcache")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
@@ -119,7 +120,7 @@ def test_item3_default_socket_dir_prefers_xdg_runtime_dir(tmp_path, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- sockets
-def test_item3_stale_socket_of_ours_is_removed_live_one_kept(tmp_path):
+def test_stale_socket_of_ours_is_removed_live_one_kept(tmp_path):
     d = tmp_path / "s"
     ensure_private_dir(str(d))
     stale = d / "lookup-dead-r0.sock"
@@ -160,7 +161,7 @@ _FOREIGN_CLIENT = textwrap.dedent(
 
 
 @root_only
-def test_item3_server_refuses_a_peer_of_another_uid():
+def test_lookup_server_refuses_a_peer_of_another_uid():
     import pathlib
     import shutil
     import tempfile
@@ -206,7 +207,7 @@ _FOREIGN_SERVER = textwrap.dedent(
 
 
 @root_only
-def test_item3_client_refuses_a_server_of_another_uid(tmp_path):
+def test_lookup_client_refuses_a_server_of_another_uid(tmp_path):
     d = tmp_path / "s"
     ensure_private_dir(str(d))
     path = str(d / "lookup-b-r0.sock")

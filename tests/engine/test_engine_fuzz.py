@@ -35,8 +35,8 @@ from lmcache.v1.gpu_connector import native
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_engine, random_kv_caches
 
 from tests.native_build import cxx
-from tests.v1.test_engine_roundtrip import token_vectors
-from tests.v1.test_native_bounds import asan_build, build
+from tests.engine.test_engine_roundtrip import token_vectors
+from tests.kernels.test_native_bounds import asan_build, build
 
 REPO = Path(__file__).resolve().parents[2]
 USE_ENV_LIB = os.environ.get("LMCACHE_FUZZ_ENV_LIB") == "1"  # set by the ASan rerun

@@ -220,7 +220,7 @@ def test_capped_isa_and_scalar_paths_match(lib_path, tmp_path, isa):
     script = "\n".join(
         [
             "import sys, torch",
-            "from tests.v1.test_native_kernels import *",
+            "from tests.kernels.test_native_kernels import *",
             "for layout in LAYOUT_NAMES:",
             "  for dtype in DTYPES:",
             "   for block_size, head_size in ((16, 24), (32, 40)):",

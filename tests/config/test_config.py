@@ -95,3 +95,38 @@ def test_file_prefix_and_copy():
                                   "remote_url", "save_unfull_chunk", "use_layerwise", "cache_policy",
                                   "enable_hidden_state_cache", "max_hidden_state_cpu_size", "hidden_state_layers",
                                   "extra_config"}
+
+
+# ---------------------------------------------------------------------- secrets and non-finite numbers
+@pytest.mark.parametrize("value", [123456789, 3.25, ["hunter2"], {"p": "hunter2"}, True])
+def test_non_string_password_is_refused_without_echoing_it(value):
+    with pytest.raises(ConfigError, match="remote_password") as info:
+        LMCacheEngineConfig.from_dict({"remote_password": value})
+    for text in ("123456789", "3.25", "hunter2", "True"):
+        assert text not in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["max_local_cpu_size", "max_local_disk_size", "remote_timeout", "max_hidden_state_cpu_size"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "nan", "inf", "-Infinity", 10**400])
+def test_float_keys_refuse_nan_and_inf(key, value):
+    with pytest.raises(ConfigError, match=key):
+        LMCacheEngineConfig.from_dict({key: value})
+
+
+# ---------------------------------------------------------------------- extra_config, local_disk
+def test_extra_config_typo_is_warned_with_did_you_mean(caplog):
+    caplog.set_level(logging.WARNING, logger="lmcache")
+    LMCacheEngineConfig.from_dict({"extra_config": {"remote_backof_max": 3, "local_disk_o_direct": True}})
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("extra_config.remote_backof_max" in m and "extra_config.remote_backoff_max" in m for m in msgs), msgs
+    assert not any("local_disk_o_direct" in m for m in msgs)
+
+
+@pytest.mark.parametrize("value", ["", "   ", "file://"])
+def test_local_disk_empty_string_raises(value):
+    with pytest.raises(ConfigError, match="local_disk"):
+        LMCacheEngineConfig.from_dict({"local_disk": value, "max_local_disk_size": 1})
+
+
+def test_local_disk_null_means_unset():
+    assert LMCacheEngineConfig.from_dict({"local_disk": None}).local_disk is None
