@@ -97,6 +97,7 @@ class FakeRequest:
     cache_salt: str | None = None
     lora_request: Any = None
     mm_features: tuple = ()
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

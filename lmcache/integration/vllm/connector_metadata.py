@@ -58,6 +58,9 @@ class ReqMeta:
     allocated. ``key_extras`` go into the chunk keys (``cache_salt``, ``extra_keys``).
     ``invalid_block_ids``: blocks vLLM counts as loaded but the scheduler side could
     not plan a load for; the worker reports them as load errors (recompute).
+    ``durable``: a decoder waits for this save (disaggregated prefill): the worker's
+    writes wait for room instead of being dropped, and ``wait_for_save`` returns once
+    they are in the remote store.
     """
 
     req_id: str
@@ -68,6 +71,7 @@ class ReqMeta:
     save: SaveSpec | None = None
     key_extras: dict[str, Any] = field(default_factory=dict)
     invalid_block_ids: tuple[int, ...] = ()
+    durable: bool = False
 
 
 @dataclass

@@ -17,12 +17,14 @@ from typing import Any
 import torch
 
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
+from lmcache.integration.vllm.pd import Fingerprint
 from lmcache.integration.vllm.naming import default_socket_dir, instance_id, socket_dir_problem
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.options import option, parse_options
+from lmcache.v1.storage_backend.entry_format import VERSION as ENTRY_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,17 @@ class AdapterSettings:
     @property
     def chunk_size(self) -> int:
         return self.config.chunk_size
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        """What a PD decoder must share with its prefiller (:mod:`.pd`)."""
+        return Fingerprint(
+            namespace=self.model_name,
+            world_size=1 if self.save_only_first_rank else self.world_size,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            chunk_size=self.chunk_size,
+            entry_format=ENTRY_VERSION,
+        )
 
     @property
     def reuse_block_size(self) -> int | None:
@@ -178,6 +191,11 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         where = "extra_config.lookup_socket_dir" if lookup.socket_dir else "the default lookup socket directory"
         hint = "" if lookup.socket_dir else " (set extra_config.lookup_socket_dir, or a shorter XDG_RUNTIME_DIR / TMPDIR)"
         raise ConfigError(f"{where}: {problem}{hint}")
+    if config.enable_pd:
+        check_pd_role(config.pd_role, role)
+        if not config.save_unfull_chunk:
+            logger.info("lmcache: enable_pd stores whole prompts, partial last chunk included (save_unfull_chunk)")
+            config.save_unfull_chunk = True
     if use_mla and device == "cpu" and not config.save_unfull_chunk:
         logger.info("lmcache: MLA on CPU reuses whole prompts only; storing exact prompt tails (save_unfull_chunk)")
         config.save_unfull_chunk = True
@@ -200,6 +218,16 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         kv_groups=kv_groups,
         save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,
     )
+
+
+def check_pd_role(pd_role: str | None, kv_role: str) -> None:
+    """``pd_role`` must agree with vLLM's ``kv_role`` (raises ConfigError)."""
+    if pd_role == "sender" and kv_role == "kv_consumer":
+        raise ConfigError("pd_role='sender': a prefiller stores KV, but vLLM's kv_role is 'kv_consumer' "
+                          "(expected kv_producer or kv_both)")  # fmt: skip
+    if pd_role == "receiver" and kv_role == "kv_producer":
+        raise ConfigError("pd_role='receiver': a decoder loads KV, but vLLM's kv_role is 'kv_producer' "
+                          "(expected kv_consumer or kv_both)")  # fmt: skip
 
 
 def build_engine_metadata(settings: AdapterSettings, rank: int) -> LMCacheEngineMetadata:

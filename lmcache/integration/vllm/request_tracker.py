@@ -43,6 +43,7 @@ import numpy as np
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
 from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.pd import BadTransferParams, PDRequest, read_transfer_params
 from lmcache.integration.vllm.request_inputs import request_key_extras, slot_mapping
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,10 @@ class RequestTracker:
     """Tokens the last lookup found cached (chunk-aligned, or the prompt end)."""
     pending_external: int = 0
     """External tokens vLLM accepted in ``update_state_after_alloc``, to load in the next step."""
+    pd: PDRequest | None = None
+    """What the request's ``kv_transfer_params`` ask for (disaggregated prefill; ``enable_pd``)."""
+    pd_deadline: float | None = None
+    """Decoder: monotonic time until which the scheduler side waits for the announced KV."""
 
     def token_ids(self, n: int) -> np.ndarray:
         return np.asarray(self.request.all_token_ids[:n], dtype=np.int32)
@@ -117,6 +122,8 @@ class PlannerConfig:
     window: WindowRule | None = None
     """Set for an all-sliding-window model: which blocks vLLM keeps (see :meth:`RequestPlanner.offer`
     and :meth:`RequestPlanner._plan`)."""
+    pd: bool = False
+    """Honour ``kv_transfer_params`` (``enable_pd``): a prefiller's saves are made durable."""
 
 
 class RequestPlanner:
@@ -153,9 +160,29 @@ class RequestPlanner:
             prompt = getattr(request, "prompt_token_ids", None)
             if prompt is None:
                 return None
-            tracker = RequestTracker(req_id, request, len(prompt), request_key_extras(request))
+            tracker = RequestTracker(req_id, request, len(prompt), request_key_extras(request), pd=self._pd_of(request))
             self._trackers[req_id] = tracker
         return tracker
+
+    def get(self, req_id: str) -> RequestTracker | None:
+        """The tracker of a live request, without creating one."""
+        return self._trackers.get(req_id)
+
+    def _pd_of(self, request: Any) -> PDRequest | None:
+        try:
+            pd = read_transfer_params(request)
+        except BadTransferParams as exc:
+            self.warn("pd-params", "lmcache: request %s: %s; served as a normal request", request.request_id, exc)
+            return None
+        if pd is not None and not self.config.pd:
+            self.warn(
+                "pd-off",
+                "lmcache: request %s carries disaggregated-prefill kv_transfer_params but enable_pd is off; "
+                "served as a normal request",
+                request.request_id,
+            )
+            return None
+        return pd
 
     def lookup_tokens(self, request: Any) -> list[int] | None:
         """Tokens to look up for ``request`` (None: not worth a lookup)."""
@@ -264,8 +291,12 @@ class RequestPlanner:
         slots[:live] = -1  # blocks vLLM freed (sliding window): ids we saw may hold other requests' KV now
         self.counters["planned_loads"] += load is not None
         self.counters["planned_saves"] += save is not None
+        durable = save is not None and tracker.pd is not None and tracker.pd.send
         out.append(
-            ReqMeta(tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras)
+            ReqMeta(
+                tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras,
+                durable=durable,
+            )  # fmt: skip
         )
 
     def _decode_save(self, tracker: RequestTracker, num_computed: int, num_scheduled: int) -> SaveSpec | None:

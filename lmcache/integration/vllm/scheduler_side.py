@@ -17,13 +17,14 @@ length, or different tokens after the prompt), when it finishes, and beyond
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupClient
 from lmcache.integration.vllm.metadata_builder import AdapterSettings
-from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
+from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner, RequestTracker
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.naming import engine_for, socket_path
 from lmcache.integration.vllm.stats_registry import register_scheduler_stats, unregister_scheduler_stats
@@ -33,6 +34,9 @@ from lmcache.v1.request import KEY_EXTRA_NAMES
 logger = logging.getLogger(__name__)
 
 MAX_MEMOS = 4096
+PD_POLL_SECONDS = 0.002
+"""Pause of a decoder's lookup that is still waiting for a prefiller's KV (vLLM's engine
+loop asks again at once when nothing else is scheduled)."""
 
 
 @dataclass(slots=True)
@@ -130,8 +134,10 @@ class SchedulerConnector:
                 save_decode=settings.config.save_decode_cache,
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
+                pd=settings.config.enable_pd,
             )
         )
+        self.fingerprint = settings.fingerprint
         self.lookups = lookups if lookups is not None else LookupDispatcher(settings)
         self._memos: dict[str, LookupMemo] = {}
         self.warn = failure_logger(logger)
@@ -141,6 +147,11 @@ class SchedulerConnector:
             "lookup_failures": 0,
             "offered_tokens": 0,
             "accepted_tokens": 0,
+            "pd_sent_requests": 0,
+            "pd_received_requests": 0,
+            "pd_waits": 0,
+            "pd_fallbacks": 0,
+            "pd_fingerprint_mismatches": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -150,7 +161,9 @@ class SchedulerConnector:
         merged = {**self.counters, **self.planner.counters}
         return {f"scheduler_{k}": int(v) for k, v in merged.items()}
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """External tokens vLLM may load for ``request``; None (disaggregated decode only):
+        the announced KV has not arrived yet, ask again later."""
         try:
             hit = self._lookup_again(request)
             if hit is None:
@@ -167,6 +180,11 @@ class SchedulerConnector:
                 self.counters["lookup_failures"] += 1
                 self.warn("lookup", "lmcache: lookup unavailable (%s); treating as a miss", self.lookups.last_error)
                 hit = 0
+            tracker = self.planner.get(request.request_id)
+            if tracker is not None and tracker.pd is not None and tracker.pd.receive:
+                hit = self._wait_for_prefiller(tracker, hit)
+                if hit is None:
+                    return None
             offered = self.planner.offer(request, num_computed_tokens, hit)
             logger.debug(
                 "lmcache: lookup %s: %d of %d tokens cached, %d offered to vLLM",
@@ -178,6 +196,48 @@ class SchedulerConnector:
             return 0
         self.counters["offered_tokens"] += offered
         return offered
+
+    def _wait_for_prefiller(self, tracker: RequestTracker, hit: int) -> int | None:
+        """Decoder side of disaggregated prefill: ``hit`` once the tokens the prefiller
+        announced are found (or on a fingerprint mismatch, or after ``pd_wait_timeout``: a
+        counted fallback, the rest is computed here); None while still waiting."""
+        pd = tracker.pd
+        assert pd is not None
+        if tracker.pd_deadline is None:
+            self.counters["pd_received_requests"] += 1
+            diffs = self.fingerprint.differences(pd.fingerprint) if pd.fingerprint is not None else []
+            if diffs:
+                self.counters["pd_fingerprint_mismatches"] += 1
+                self.warn(
+                    "pd-fingerprint:" + "; ".join(diffs),
+                    "lmcache PD: request %s: the prefiller's KV cannot be used by this decoder (%s); "
+                    "computing the prompt here",
+                    tracker.req_id,
+                    "; ".join(diffs),
+                )
+                tracker.pd = None
+                return hit
+            tracker.pd_deadline = time.monotonic() + self.settings.config.pd_wait_timeout
+        expected = min(pd.expected_tokens if pd.expected_tokens is not None else tracker.prompt_len, tracker.prompt_len)
+        if hit >= expected:
+            tracker.pd = None
+            return hit
+        if time.monotonic() < tracker.pd_deadline:
+            self.counters["pd_waits"] += 1
+            time.sleep(PD_POLL_SECONDS)  # vLLM asks again at its next step: do not spin on the scheduler
+            return None
+        self.counters["pd_fallbacks"] += 1
+        self.warn(
+            "pd-timeout",
+            "lmcache PD: request %s: %d of the %d tokens the prefiller announced were found within "
+            "pd_wait_timeout=%s s; computing the rest here",
+            tracker.req_id,
+            hit,
+            expected,
+            self.settings.config.pd_wait_timeout,
+        )
+        tracker.pd = None
+        return hit
 
     def _lookup_again(self, request: Any) -> int | None:
         """Hit of a repeated lookup from the request's memo; None without a valid memo."""
@@ -222,10 +282,17 @@ class SchedulerConnector:
             return LMCacheConnectorMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous (done in ``wait_for_save``): blocks can be freed at once."""
+        """Saves are synchronous (done in ``wait_for_save``): blocks can be freed at once.
+        A prefill for a remote decoder returns the decoder leg's ``kv_transfer_params``
+        (its KV is durable in the remote store by now: its saves were waited for)."""
+        tracker = self.planner.get(request.request_id)
+        params = None
+        if tracker is not None and tracker.pd is not None and tracker.pd.send:
+            params = self.fingerprint.transfer_params(tracker.prompt_len)
+            self.counters["pd_sent_requests"] += 1
         self.planner.finish(request.request_id)
         self._memos.pop(request.request_id, None)
-        return False, None
+        return False, params
 
     def close(self) -> None:
         unregister_scheduler_stats(self.settings.engine_id, self.snapshot)

@@ -313,7 +313,7 @@ class LMCacheConnectorV1Impl:
             return []
 
     # ================================================================== scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         if self.scheduler is None:
             return 0
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -233,15 +234,33 @@ class WorkerConnector:
         if not self._usable():
             self._storages = None
             return
-        streamed: set[str] = set()
-        for s in self._storages or ():
-            streamed.add(s.req.req_id)
-            self._finish_storage(s)
-        self._storages = None
-        for req in self._reqs:
-            if req.save is None or req.req_id in self._failed or req.req_id in streamed:
-                continue
-            self._store_whole(req)
+        durable = [r.req_id for r in self._reqs if r.durable and r.save is not None and r.req_id not in self._failed]
+        cfg = self.engine.config
+        with self.engine.storage_manager.waiting_writes(cfg.pd_wait_timeout, cfg.pd_buffer_size) if durable else nullcontext():
+            streamed: set[str] = set()
+            for s in self._storages or ():
+                streamed.add(s.req.req_id)
+                self._finish_storage(s)
+            self._storages = None
+            for req in self._reqs:
+                if req.save is None or req.req_id in self._failed or req.req_id in streamed:
+                    continue
+                self._store_whole(req)
+        if durable:
+            self._make_durable(durable)
+
+    def _make_durable(self, req_ids: list[str]) -> None:
+        """Disaggregated prefill: return only when this step's writes are in the remote store
+        (bounded by ``pd_wait_timeout``), so the prefiller's answer implies its KV is there."""
+        timeout = self.engine.config.pd_wait_timeout
+        if not self.engine.storage_manager.flush(timeout):
+            self.warn(
+                "pd-flush",
+                "lmcache PD: writes of %s not durable in the remote tier within pd_wait_timeout=%s s; "
+                "a decoder may compute them itself",
+                ", ".join(req_ids),
+                timeout,
+            )
 
     def fail_all_loads(self, exc: BaseException) -> None:
         """An unexpected error in a load phase: every load of this step becomes a recompute."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, TypeVar
 
@@ -127,6 +128,11 @@ class StorageBackend(ABC):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until submitted puts are durable in this tier; True if all finished."""
         return True
+
+    def waiting_writes(self, timeout: float, budget: int | None = None) -> AbstractContextManager[None]:
+        """Inside the block, puts the calling thread submits wait (up to ``timeout`` s) for
+        room instead of being dropped. Default: this tier never drops a put for lack of room."""
+        return nullcontext()
 
     @abstractmethod
     def close(self) -> None:

@@ -20,7 +20,10 @@ import dataclasses
 import hashlib
 import logging
 import threading
+import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -88,6 +91,8 @@ class RemoteStats(Counters):
     """Writes not attempted: tier unavailable, disabled or closing."""
     put_dropped: int = 0
     """Writes dropped because the in-flight budget was full."""
+    put_waits: int = 0
+    """Writes that waited for room in the budget (inside ``waiting_writes``: disaggregated prefill)."""
     put_errors: int = 0
 
 
@@ -219,6 +224,8 @@ class RemoteBackend(StorageBackend):
         self._cv = threading.Condition()
         self._inflight_bytes = 0
         self._inflight_keys: set[str] = set()
+        self._tls = threading.local()
+        """``wait``: (deadline, budget) while the thread is inside :meth:`waiting_writes`."""
         self._lock = threading.Lock()
         self._disabled: str | None = None
         self._closed = False
@@ -292,7 +299,7 @@ class RemoteBackend(StorageBackend):
         with self._cv:
             if rkey in self._inflight_keys:
                 return
-            if self._inflight_bytes and self._inflight_bytes + size > self.options.max_inflight_bytes:
+            if not self._room_for(size):
                 self.stats.add(put_dropped=1)
                 self._warn_once("budget", "remote tier %s: write budget of %d MiB full, dropping writes (logged once)",
                                 self.url, self.options.max_inflight_bytes // MiB)
@@ -305,6 +312,32 @@ class RemoteBackend(StorageBackend):
         except RuntimeError:  # executor shut down by a concurrent close()
             self._write_done(rkey, obj, size)
             self.stats.add(put_skipped=1)
+
+    def _room_for(self, size: int) -> bool:
+        """Whether a write of ``size`` bytes fits the in-flight budget (under ``self._cv``);
+        inside :meth:`waiting_writes`, waits for room until that block's deadline."""
+        wait = getattr(self._tls, "wait", None)
+        cap = wait[1] if wait is not None else self.options.max_inflight_bytes
+
+        def fits() -> bool:
+            return not self._inflight_bytes or self._inflight_bytes + size <= cap
+
+        if wait is None or fits():
+            return fits()
+        self.stats.add(put_waits=1)
+        return self._cv.wait_for(fits, max(0.0, wait[0] - time.monotonic()))
+
+    @contextmanager
+    def waiting_writes(self, timeout: float, budget: int | None = None) -> Iterator[None]:
+        """Inside the block, writes this thread submits wait (until ``timeout`` seconds after
+        entering) for room in the in-flight budget (``budget`` bytes, default the tier's)
+        instead of being dropped: back-pressure for disaggregated prefill, where a dropped
+        write is a decoder's recompute. Only the calling thread waits."""
+        self._tls.wait = (time.monotonic() + timeout, budget or self.options.max_inflight_bytes)
+        try:
+            yield
+        finally:
+            self._tls.wait = None
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         """Read and verify ``key``'s entry into a new pool object (caller owns it) or None."""
@@ -423,8 +456,7 @@ class RemoteBackend(StorageBackend):
         with self._cv:
             self._inflight_bytes -= size
             self._inflight_keys.discard(rkey)
-            if not self._inflight_keys:
-                self._cv.notify_all()
+            self._cv.notify_all()  # flush() and writers waiting for room (waiting_writes)
 
     # ------------------------------------------------------------------ failures
     def _usable(self, count: bool = True) -> bool:

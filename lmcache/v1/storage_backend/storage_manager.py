@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -517,6 +518,16 @@ class StorageManager:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the lower tiers' pending writes; True if all finished."""
         return all([b.flush(timeout) for b in self.lower])
+
+    @contextmanager
+    def waiting_writes(self, timeout: float, budget: int | None = None) -> Iterator[None]:
+        """Inside the block, the calling thread's writes to the lower tiers wait for room
+        (up to ``timeout`` s) instead of being dropped when a tier's write budget is full
+        (:meth:`StorageBackend.waiting_writes`). For writes a peer is waiting for."""
+        with ExitStack() as stack:
+            for backend in self.lower:
+                stack.enter_context(backend.waiting_writes(timeout, budget))
+            yield
 
     def close(self) -> None:
         if self._closed:

@@ -1,0 +1,210 @@
+"""Disaggregated prefill/decode through the remote tier, with the adapter driven like vLLM
+drives it (both roles in one process per instance, a real ``redis-server`` between a
+prefiller and a decoder): the prefiller stores whole prompts durably and hands the decoder
+its parameters; the decoder waits for announced KV, loads all but the last token with exact
+KV, and falls back to computing (counted, logged) when the KV does not come."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from lmcache.integration.vllm.pd import BadTransferParams, Fingerprint, PDRequest, read_transfer_params
+from lmcache.v1.config import ConfigError
+from tests.remote_fixtures import key, random_obj, remote_of
+from tests.vllm_adapter.test_vllm_connector_unit import (
+    CHUNK,
+    FakeRequest,
+    MiniVLLM,
+    fake_vllm_config,
+    prompt,
+)
+
+SEND = {"do_remote_decode": True, "do_remote_prefill": False}
+DROPPED, WRITTEN = "put_dropped", "puts"
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("LMCACHE_"):
+            monkeypatch.delenv(name)
+
+
+def pd_config(url: str, role: str, tmp: str, **extra):
+    cfg = {"lmcache.remote_url": url, "lmcache.enable_pd": True, "lmcache.pd_wait_timeout": 0.5}
+    cfg.update({f"lmcache.{k}": v for k, v in extra.items()})
+    return fake_vllm_config(role=role, tmp=tmp, extra=cfg)
+
+
+class Instance(MiniVLLM):
+    """A :class:`MiniVLLM` that keeps what ``request_finished`` returned."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.finished: dict[str, dict | None] = {}
+        finish = self.scheduler.request_finished
+
+        def keep(req, blocks):
+            delay, params = finish(req, blocks)
+            self.finished[req.request_id] = params
+            return delay, params
+
+        self.scheduler.request_finished = keep
+
+    def counters(self) -> dict[str, int]:
+        return self.scheduler.scheduler.snapshot()
+
+
+@pytest.fixture
+def pair(redis_server, tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    prefiller = Instance(pd_config(redis_server.url, "kv_producer", str(tmp_path / "p")))
+    decoder = Instance(pd_config(redis_server.url, "kv_consumer", str(tmp_path / "d")))
+    yield prefiller, decoder
+    decoder.close()
+    prefiller.close()
+
+
+def decode_params(prefiller: Instance, req_id: str) -> dict:
+    params = prefiller.finished[req_id]
+    assert params is not None
+    return params
+
+
+@pytest.mark.parametrize("n", [5, 3 * CHUNK + 5, 4 * CHUNK])
+def test_decoder_loads_all_but_the_last_token_with_exact_kv(pair, n):
+    """Prompts shorter than a block, with a partial last chunk, and chunk-aligned."""
+    prefiller, decoder = pair
+    tokens = prompt(n, n)
+    assert prefiller.serve(FakeRequest("p", tokens, kv_transfer_params=dict(SEND)))["external"] == 0
+    params = decode_params(prefiller, "p")
+    assert params["do_remote_prefill"] is True and params["remote_num_tokens"] == n
+    assert params["lmcache"] == decoder.worker.settings.fingerprint.as_params()
+    assert prefiller.engine.storage_manager.flush(0)  # durable when the prefiller answered
+    req = FakeRequest("d", list(tokens), kv_transfer_params=params)
+    got = decoder.serve(req)
+    assert got["external"] == n - 1 and not got["errors"]  # one prompt token computed locally
+    decoder.assert_kv_correct(req, got["blocks"])
+    c = decoder.counters()
+    assert (c["scheduler_pd_received_requests"], c["scheduler_pd_fallbacks"]) == (1, 0)
+    assert prefiller.counters()["scheduler_pd_sent_requests"] == 1
+    assert decoder.engine.stats.hit_tokens_remote == n - 1  # read from the remote store
+
+
+def test_decoder_waits_for_announced_kv_then_loads_it(pair):
+    prefiller, decoder = pair
+    tokens = prompt(2 * CHUNK + 3, 41)
+    announced = {"do_remote_prefill": True, "remote_num_tokens": len(tokens),
+                 "lmcache": decoder.worker.settings.fingerprint.as_params()}  # fmt: skip
+    req = FakeRequest("d", list(tokens), kv_transfer_params=announced)
+    assert decoder.scheduler.get_num_new_matched_tokens(req, 0) is None  # not there yet: ask again later
+    assert decoder.counters()["scheduler_pd_waits"] == 1
+    prefiller.serve(FakeRequest("p", tokens, kv_transfer_params=dict(SEND)))
+    assert decoder.scheduler.get_num_new_matched_tokens(req, 0) == len(tokens) - 1
+    assert decoder.counters()["scheduler_pd_fallbacks"] == 0
+
+
+def test_decoder_falls_back_to_computing_after_the_deadline(pair, caplog):
+    _, decoder = pair
+    tokens = prompt(3 * CHUNK, 42)
+    announced = {"do_remote_prefill": True, "remote_num_tokens": len(tokens)}
+    req = FakeRequest("d", list(tokens), kv_transfer_params=announced)
+    start = time.monotonic()
+    answers = []
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        while (got := decoder.scheduler.get_num_new_matched_tokens(req, 0)) is None:
+            answers.append(got)
+            assert time.monotonic() - start < 30, "the decoder never gave up waiting"
+    assert got == 0 and answers  # waited, then computes the prompt itself
+    assert time.monotonic() - start >= 0.5  # pd_wait_timeout
+    c = decoder.counters()
+    assert c["scheduler_pd_fallbacks"] == 1 and c["scheduler_pd_waits"] == len(answers)
+    assert any("pd_wait_timeout=0.5" in r.getMessage() for r in caplog.records)
+
+
+def test_fingerprint_mismatch_is_logged_by_field_and_not_waited_for(pair, caplog):
+    _, decoder = pair
+    tokens = prompt(3 * CHUNK, 43)
+    theirs = dict(decoder.worker.settings.fingerprint.as_params(), chunk_size=CHUNK * 2, kv_dtype="bfloat16")
+    req = FakeRequest("d", list(tokens), kv_transfer_params={"do_remote_prefill": True, "lmcache": theirs})
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        assert decoder.scheduler.get_num_new_matched_tokens(req, 0) == 0  # at once, no wait
+    (line,) = [r.getMessage() for r in caplog.records if "lmcache PD" in r.getMessage()]
+    assert f"chunk_size: prefiller {CHUNK * 2} != decoder {CHUNK}" in line and "kv_dtype" in line
+    assert decoder.counters()["scheduler_pd_fingerprint_mismatches"] == 1
+
+
+def test_malformed_transfer_params_are_a_normal_request(pair, caplog):
+    prefiller, _ = pair
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        r = prefiller.serve(FakeRequest("p", prompt(40, 44), kv_transfer_params={"do_remote_decode": "yes"}))
+    assert r["external"] == 0 and prefiller.finished["p"] is None
+    assert any("do_remote_decode='yes'" in rec.getMessage() for rec in caplog.records)
+
+
+def test_transfer_params_are_validated():
+    def read(params):
+        return read_transfer_params(FakeRequest("r", [1], kv_transfer_params=params))
+
+    assert read(None) is None and read({}) is None and read({"do_remote_decode": False}) is None
+    assert read(SEND) == PDRequest(send=True, receive=False)
+    assert read({"disagg_spec": {"req_id": "x"}}).send  # LMCache's PD spec
+    assert read({"do_remote_prefill": True, "remote_num_tokens": 7}) == PDRequest(False, True, 7)
+    for bad, field in [([1], "kv_transfer_params"), ({"do_remote_prefill": 1}, "do_remote_prefill"),
+                       ({"do_remote_prefill": True, "remote_num_tokens": -1}, "remote_num_tokens"),
+                       ({"do_remote_prefill": True, "remote_num_tokens": True}, "remote_num_tokens"),
+                       ({"do_remote_prefill": True, "lmcache": "x"}, "lmcache"),
+                       ({"do_remote_prefill": True, "do_remote_decode": True}, "both")]:  # fmt: skip
+        with pytest.raises(BadTransferParams, match=field):
+            read(bad)
+    fp = Fingerprint("m", 1, "float32", 256, 1)
+    assert fp.differences(fp.as_params()) == [] and fp.differences({}) != []
+
+
+def test_pd_without_enable_pd_is_a_normal_request(redis_server, tmp_path, caplog):
+    inst = Instance(fake_vllm_config(role="kv_producer", tmp=str(tmp_path),
+                                     extra={"lmcache.remote_url": redis_server.url}))  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="lmcache"):
+            inst.serve(FakeRequest("p", prompt(40, 45), kv_transfer_params=dict(SEND)))
+        assert inst.finished["p"] is None
+        assert any("enable_pd is off" in r.getMessage() for r in caplog.records)
+    finally:
+        inst.close()
+
+
+def test_pd_settings_are_checked_at_start(redis_server, tmp_path):
+    with pytest.raises(ConfigError, match="enable_pd=True: expected remote_url"):
+        MiniVLLM(fake_vllm_config(tmp=str(tmp_path), extra={"lmcache.enable_pd": True}))
+    with pytest.raises(ConfigError, match="pd_role='sender'.*kv_consumer"):
+        MiniVLLM(pd_config(redis_server.url, "kv_consumer", str(tmp_path), pd_role="sender"))
+    with pytest.raises(ConfigError, match="transfer_channel='nixl'.*remote tier only"):
+        MiniVLLM(pd_config(redis_server.url, "kv_both", str(tmp_path), transfer_channel="nixl"))
+
+
+def test_prefiller_writes_wait_for_room_instead_of_being_dropped(redis_server, remote_manager):
+    """Back-pressure: with a write budget of one entry, writes inside ``waiting_writes`` all
+    land; outside it the same burst drops writes (counted)."""
+    manager = remote_manager(redis_server.url, extra_config={"remote_max_inflight_mb": 1, "remote_workers": 1})
+    remote = remote_of(manager)
+
+    def burst(first: int) -> None:
+        objs = [random_obj(manager, (2, 1, 16, 6144), seed=i) for i in range(12)]  # 768 KiB each
+        manager.batched_put([key(first + i) for i in range(12)], objs)
+        for obj in objs:
+            obj.ref_count_down()
+
+    with manager.waiting_writes(timeout=30):
+        burst(0)
+    assert manager.flush(30)
+    stats = remote.stats.snapshot()
+    assert stats[DROPPED] == 0 and stats[WRITTEN] == 12 and stats["put_waits"] > 0
+    burst(100)
+    assert manager.flush(30)
+    assert remote.stats.snapshot()[DROPPED] > 0
