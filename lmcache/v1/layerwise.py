@@ -338,8 +338,6 @@ class _RetrieveState:
 class LayerwiseTransfer(LayerwiseTransferPath):
     """One object and one key per (chunk, layer); copies one layer per ``next()`` (module docstring)."""
 
-    name = "layerwise"
-
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self.num_layers = ctx.metadata.num_layers

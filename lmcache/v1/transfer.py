@@ -25,7 +25,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -192,9 +191,6 @@ class TransferPath(ABC):
     and trusts it. ``store``/``retrieve`` block until the copy is complete.
     """
 
-    name: ClassVar[str]
-    """``"bulk"`` or ``"layerwise"`` (for logs)."""
-
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
 
@@ -236,8 +232,6 @@ class LayerwiseTransferPath(TransferPath):
 
 class BulkTransfer(TransferPath):
     """All layers of a chunk in one object; one batched copy per store/retrieve."""
-
-    name = "bulk"
 
     def connector(self) -> GPUConnectorInterface:
         """The engine's connector if it is a bulk one; ValueError otherwise."""
