@@ -7,10 +7,6 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
-TIERS = ("cpu", "disk", "remote")
-"""Tier labels, L1 first."""
-
-
 @dataclass(slots=True)
 class Counters:
     """Base of every counter set: integer fields, updated under one lock.

@@ -62,6 +62,7 @@ from lmcache.v1.storage_backend.disk_file import (
 from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
 from lmcache.v1.storage_backend.disk_writer import DiskWriter
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class LocalDiskBackend(StorageBackend):
     closed by the tier, shares its lock and index (its ``pending`` queued puts are read here).
     """
 
-    tier = "disk"
+    tier = Tier.DISK
 
     name = "LocalDiskBackend"
 

@@ -52,6 +52,7 @@ from lmcache.v1.storage_backend.entry_format import (
     payload_checksum,
     verify_payload,
 )
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class RemoteBackend(StorageBackend):
     server only opens the breaker.
     """
 
-    tier = "remote"
+    tier = Tier.REMOTE
 
     name = "RemoteBackend"
 
