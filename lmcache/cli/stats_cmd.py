@@ -94,9 +94,9 @@ def format_stats(name: str, s: dict[str, float]) -> str:
                  f"stores {g('store_requests')}, stored tokens {g('stored_tokens')}")
     lines.append(f"  {'tier':<7}{'loaded tokens':>15}{'loaded bytes':>15}{'stored bytes':>15}{'used bytes':>15}"
                  f"{'capacity':>15}{'evictions':>11}{'corrupt':>9}")
-    stored = {Tier.CPU: g("stored_bytes"), Tier.DISK: g("disk_bytes_written"), Tier.REMOTE: g("remote_put_bytes")}
+    stored = {Tier.CPU: g("stored_bytes"), Tier.DISK: g("disk_bytes_written"), Tier.REMOTE: g("remote_bytes_written")}
     evict = {Tier.CPU: g("evictions"), Tier.DISK: g("disk_evictions"), Tier.REMOTE: 0}
-    corrupt = {Tier.CPU: 0, Tier.DISK: g("disk_corrupt_entries"), Tier.REMOTE: g("remote_corrupt")}
+    corrupt = {Tier.CPU: 0, Tier.DISK: g("disk_corrupt_entries"), Tier.REMOTE: g("remote_corrupt_entries")}
     for tier in TIERS:
         if tier == Tier.DISK and "pool_capacity_bytes_disk" not in s:
             continue

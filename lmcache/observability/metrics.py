@@ -105,7 +105,7 @@ METRICS: tuple[MetricDef, ...] = (
         {
             Tier.CPU: "stored_bytes",
             Tier.DISK: "disk_bytes_written",
-            Tier.REMOTE: "remote_put_bytes",
+            Tier.REMOTE: "remote_bytes_written",
         },
     ),
     _c("lmcache_load_errors", "Loads that failed or came back short (the tokens were recomputed).", "load_errors"),
@@ -124,7 +124,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Entries that failed verification (checksum, key or format) and were deleted, by tier.",
         {
             Tier.DISK: "disk_corrupt_entries",
-            Tier.REMOTE: "remote_corrupt",
+            Tier.REMOTE: "remote_corrupt_entries",
         },
     ),
     _by_tier(
@@ -133,7 +133,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Writes that failed with an error, by tier.",
         {
             Tier.DISK: "disk_write_errors",
-            Tier.REMOTE: "remote_put_errors",
+            Tier.REMOTE: "remote_write_errors",
         },
     ),
     _by_tier(
@@ -144,7 +144,7 @@ METRICS: tuple[MetricDef, ...] = (
         {
             Tier.CPU: "store_skipped_chunks",
             Tier.DISK: ("disk_puts_dropped_queue_full", "disk_puts_rejected_no_space", "disk_puts_rejected_too_large"),
-            Tier.REMOTE: ("remote_put_dropped", "remote_put_skipped"),
+            Tier.REMOTE: ("remote_puts_dropped_inflight_full", "remote_puts_skipped_unavailable"),
         },
     ),
     _c("lmcache_remote_errors", "Failed remote calls (connection loss, timeouts, errors).", "remote_errors"),

@@ -23,7 +23,7 @@ def test_item9_key_of_another_redis_type_is_deleted_and_rewritten(redis_server, 
          "set": lambda: client.sadd(rkey, b"x")}[kind]()
         assert sm.batched_contains([key(9)]) == 1  # EXISTS cannot tell
         assert remote.get_blocking(key(9)) is None
-        assert remote.stats.corrupt == 1
+        assert remote.stats.corrupt_entries == 1
         assert not client.exists(rkey), "the foreign value is deleted"
         obj = random_obj(sm, (2, 32), seed=1)
         remote.submit_put(key(9), obj)

@@ -29,7 +29,7 @@ from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.options import option, parse_options
-from lmcache.v1.stats import Counters
+from lmcache.v1.stats import TierStats
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.connector import (
     RedisConnector,
@@ -63,13 +63,10 @@ DEFAULT_INFLIGHT_CAP = 512 * MiB
 
 
 @dataclass(slots=True)
-class RemoteStats(Counters):
-    """Counters of one remote tier (read with :meth:`snapshot`)."""
+class RemoteStats(TierStats):
+    """Counters of one remote tier: the shared :class:`~lmcache.v1.stats.TierStats` and the
+    remote tier's own (read with :meth:`snapshot`)."""
 
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    """Values that failed verification (bad checksum, other key/namespace/version); deleted."""
     errors: int = 0
     """Failed remote calls of any kind (connection loss, timeouts, error replies)."""
     breaker_open: int = 0
@@ -78,18 +75,12 @@ class RemoteStats(Counters):
     """Reads and lookups answered "miss" at once because the breaker was open."""
     reconnects: int = 0
     auth_failures: int = 0
-    alloc_failures: int = 0
-    """Remote hits dropped because the CPU pool had no room."""
     lookups: int = 0
     lookup_hit_keys: int = 0
-    puts: int = 0
-    put_bytes: int = 0
-    get_bytes: int = 0
-    put_skipped: int = 0
+    puts_skipped_unavailable: int = 0
     """Writes not attempted: tier unavailable, disabled or closing."""
-    put_dropped: int = 0
+    puts_dropped_inflight_full: int = 0
     """Writes dropped because the in-flight budget was full."""
-    put_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +277,7 @@ class RemoteBackend(StorageBackend):
         """Queue an asynchronous write; never blocks. Skipped while the tier is unavailable,
         dropped (and counted) when the in-flight budget is full."""
         if not self._usable(count=False):
-            self.stats.add(put_skipped=1)
+            self.stats.add(puts_skipped_unavailable=1)
             return
         rkey = self.remote_key(key)
         size = obj.get_size()
@@ -294,7 +285,7 @@ class RemoteBackend(StorageBackend):
             if rkey in self._inflight_keys:
                 return
             if self._inflight_bytes and self._inflight_bytes + size > self.options.max_inflight_bytes:
-                self.stats.add(put_dropped=1)
+                self.stats.add(puts_dropped_inflight_full=1)
                 self._warn_once("budget", "remote tier %s: write budget of %d MiB full, dropping writes (logged once)",
                                 self.url, self.options.max_inflight_bytes // MiB)
                 return
@@ -305,7 +296,7 @@ class RemoteBackend(StorageBackend):
             self._writer.submit(self._write, rkey, obj, size, key)
         except RuntimeError:  # executor shut down by a concurrent close()
             self._write_done(rkey, obj, size)
-            self.stats.add(put_skipped=1)
+            self.stats.add(puts_skipped_unavailable=1)
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         """Read and verify ``key``'s entry into a new pool object (caller owns it) or None."""
@@ -352,7 +343,7 @@ class RemoteBackend(StorageBackend):
             self.stats.add(misses=1)
             return None
         hdr, obj = got[0]
-        self.stats.add(hits=1, get_bytes=hdr.header_len + hdr.payload_len)
+        self.stats.add(hits=1, bytes_read=hdr.header_len + hdr.payload_len)
         return obj
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
@@ -397,23 +388,23 @@ class RemoteBackend(StorageBackend):
     def _write(self, rkey: str, obj: MemoryObj, size: int, key: CacheEngineKey | None = None) -> None:
         try:
             if self._disabled is not None or not self.breaker.allow():
-                self.stats.add(put_skipped=1)
+                self.stats.add(puts_skipped_unavailable=1)
                 return
             payload = _payload_view(obj)
             header = encode_header(rkey, obj.meta, payload_checksum(payload), align=8)
             self.connector.set(rkey, [header, payload])
-            self.stats.add(puts=1, put_bytes=len(header) + size)
+            self.stats.add(writes_completed=1, bytes_written=len(header) + size)
             if key is not None:
                 self._notify("stored", [key])
         except RemoteError as exc:
-            self.stats.add(put_errors=1)
+            self.stats.add(write_errors=1)
             self._failed(exc, "write")
         except ValueError as exc:  # e.g. a dtype the entry format cannot describe
-            self.stats.add(put_errors=1)
+            self.stats.add(write_errors=1)
             self._warn_once("encode", "remote tier %s: cannot encode an entry (%s); such writes are skipped (logged once)",
                             self.url, exc)
         except Exception:  # last resort on a background thread: never lose the error silently
-            self.stats.add(put_errors=1, errors=1)
+            self.stats.add(write_errors=1, errors=1)
             self._log_once(logging.ERROR, "unexpected-write", "remote tier %s: unexpected error in a write (logged once)",
                            self.url, exc_info=True)
         finally:
@@ -448,7 +439,7 @@ class RemoteBackend(StorageBackend):
                             self.url, what, exc)
 
     def _corrupt(self, rkey: str, exc: CorruptEntryError) -> None:
-        self.stats.add(corrupt=1, misses=1)
+        self.stats.add(corrupt_entries=1, misses=1)
         self._warn_once("corrupt", "remote tier %s: dropping an invalid entry %r (%s) (logged once)", self.url, rkey, exc)
         try:
             self.connector.delete(rkey)
