@@ -85,6 +85,7 @@ import numpy as np  # noqa: E402 - after the sys.path set-up above
 import torch  # noqa: E402
 
 from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from lmcache.v1.tiers import TIERS  # noqa: E402
 from tests.openai_server import DYNAMIC, OpenAIServer, free_port, metric_value  # noqa: E402
 from tests.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
 
@@ -103,7 +104,6 @@ QUESTIONS = (
     "What question does the document leave open?",
 )
 WARM_UP = "What is the capital of France?"
-TIERS = ("cpu", "disk", "remote")
 GOAL_SPEEDUP = 5.0
 REDIS_START_TIMEOUT_S = 20.0
 

@@ -1,8 +1,10 @@
-/* lmcache._keyhash: chained chunk hashes of a token sequence in one native pass.
+/* lmcache._keyhash: the native helpers of the key path (token ids -> chunk keys -> index probes).
  *
- * Optional CPython extension built by setup.py; lmcache/v1/token_database.py falls back to
- * hashlib when it is missing and both produce identical keys (tests/keys/test_keyhash.py).
+ * Optional CPython extension built by setup.py; every caller has a Python/numpy path that gives
+ * the same results when it is missing (tests/keys/test_keyhash.py, tests/keys/test_key_ops.py).
+ * Its eight entry points, by caller:
  *
+ * Chunk hashing (lmcache/v1/token_database.py; off with LMCACHE_NATIVE_HASH=0):
  *   hash_chunks(tokens, seed, chunk_size, partial) -> (num_tokens, digests) | None
  *       tokens: a list or tuple of Python ints, or a C-contiguous 1-D buffer of
  *       little-endian int32 (numpy "<i4"). Chunk i's digest is
@@ -17,9 +19,25 @@
  *       value), ...) shared by every key, hash_field the descriptor that receives the
  *       digest as a little-endian unsigned int. The caller passes already-normalised
  *       values (the same the dataclass __init__ would store).
+ *   common_prefix(a, b) -> int
+ *       Number of equal leading 4-byte items of two buffers (int32 token arrays): how much
+ *       of a remembered sequence's digests a new one can reuse.
+ *
+ * Key hashing and equality (lmcache/v1/keys.py; off with LMCACHE_NATIVE_HASH=0 at import):
  *   KeyBase, register_key_type(cls, eq_fields, hash_fields)
- *       Base class of lmcache/v1/keys.py's key classes: __hash__ and __eq__ in C over the
- *       registered slots (see the section below).
+ *       Base class of the key classes: __hash__ and __eq__ in C over the registered
+ *       slots (see the section below).
+ *
+ * Token and slot scans (lmcache/v1/request.py; off with LMCACHE_NATIVE_SCANS=0):
+ *   tokens_int32(tokens) -> bytearray | None
+ *       An exact list/tuple of ints or a 1-D int64 buffer as little-endian int32, range
+ *       checked in the same pass; None declines (the numpy path validates and raises).
+ *   tokens_int32_at(address, n, itemsize) -> bytearray | None
+ *       The same from n contiguous int32/int64 values at a tensor's data address.
+ *   int_stats(address, n, itemsize) -> (max, index of the first negative or n)
+ *       One pass over the first n > 0 values (slot-mapping checks).
+ *
+ * Resident-index probes (lmcache/v1/storage_backend/resident_index.py; always on when built):
  *   prefix_in(dict, keys, start=0) -> int
  *       Index of the first of keys[start:] that is not in dict (len(keys) if none): the
  *       resident indexes' prefix probe as one C loop.
@@ -631,7 +649,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_keyhash", "Native chunk hashing for lmcache keys.", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_keyhash",
+                                    "Native helpers of lmcache's key path (hashing, key ops, token scans).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__keyhash(void) {

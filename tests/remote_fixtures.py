@@ -105,7 +105,7 @@ def store_shared_prompt(url: str) -> list[torch.Tensor]:
         assert engine.store(SHARE_TOKENS, kvcaches=kv, slot_mapping=slots) == len(SHARE_TOKENS)
         assert engine.storage_manager.flush(FLUSH_S)
         (rb,) = engine.storage_manager.lower
-        assert rb.stats.puts == len(SHARE_TOKENS) // 16
+        assert rb.stats.writes_completed == len(SHARE_TOKENS) // 16
     finally:
         engine.close()
     return kv

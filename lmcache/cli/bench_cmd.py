@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TIERS = ("cpu", "disk", "remote")
+from lmcache.v1.tiers import TIERS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

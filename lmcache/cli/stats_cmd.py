@@ -17,6 +17,8 @@ import re
 import sys
 from collections import defaultdict
 
+from lmcache.v1.tiers import TIERS, Tier
+
 _SOCK = re.compile(r"^lookup-(?P<digest>[0-9a-f]+)-r(?P<rank>\d+)\.sock$")
 
 
@@ -92,16 +94,16 @@ def format_stats(name: str, s: dict[str, float]) -> str:
                  f"stores {g('store_requests')}, stored tokens {g('stored_tokens')}")
     lines.append(f"  {'tier':<7}{'loaded tokens':>15}{'loaded bytes':>15}{'stored bytes':>15}{'used bytes':>15}"
                  f"{'capacity':>15}{'evictions':>11}{'corrupt':>9}")
-    stored = {"cpu": g("stored_bytes"), "disk": g("disk_bytes_written"), "remote": g("remote_put_bytes")}
-    evict = {"cpu": g("evictions"), "disk": g("disk_evictions"), "remote": 0}
-    corrupt = {"cpu": 0, "disk": g("disk_corrupt_entries"), "remote": g("remote_corrupt")}
-    for tier in ("cpu", "disk", "remote"):
-        if tier == "disk" and "pool_capacity_bytes_disk" not in s:
+    stored = {Tier.CPU: g("stored_bytes"), Tier.DISK: g("disk_bytes_written"), Tier.REMOTE: g("remote_bytes_written")}
+    evict = {Tier.CPU: g("evictions"), Tier.DISK: g("disk_evictions"), Tier.REMOTE: 0}
+    corrupt = {Tier.CPU: 0, Tier.DISK: g("disk_corrupt_entries"), Tier.REMOTE: g("remote_corrupt_entries")}
+    for tier in TIERS:
+        if tier == Tier.DISK and "pool_capacity_bytes_disk" not in s:
             continue
-        if tier == "remote" and "remote_available" not in s:
+        if tier == Tier.REMOTE and "remote_available" not in s:
             continue
-        used = g(f"pool_used_bytes_{tier}") if tier != "remote" else "-"
-        cap = g(f"pool_capacity_bytes_{tier}") if tier != "remote" else "-"
+        used = g(f"pool_used_bytes_{tier}") if tier != Tier.REMOTE else "-"
+        cap = g(f"pool_capacity_bytes_{tier}") if tier != Tier.REMOTE else "-"
         lines.append(f"  {tier:<7}{g(f'hit_tokens_{tier}'):>15}{g(f'hit_bytes_{tier}'):>15}{stored[tier]:>15}"
                      f"{used:>15}{cap:>15}{evict[tier]:>11}{corrupt[tier]:>9}")
     if "remote_available" in s:

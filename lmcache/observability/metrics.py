@@ -32,6 +32,7 @@ from typing import Any
 
 from lmcache.observability.snapshot import GAUGE_KEYS, rank0_only
 from lmcache.v1.stats import LATENCY_BUCKETS
+from lmcache.v1.tiers import TIERS, Tier
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
@@ -52,7 +53,8 @@ def _c(name: str, doc: str, key: str) -> MetricDef:
     return MetricDef(name, COUNTER, doc, None, (("", (key,)),))
 
 
-def _by_tier(name: str, kind: str, doc: str, **tiers: tuple[str, ...] | str) -> MetricDef:
+def _by_tier(name: str, kind: str, doc: str, tiers: Mapping[Tier, tuple[str, ...] | str]) -> MetricDef:
+    """A metric with a ``tier`` label: ``tiers`` maps each label value to its snapshot key(s)."""
     sources = tuple((tier, (keys,) if isinstance(keys, str) else keys) for tier, keys in tiers.items())
     return MetricDef(name, kind, doc, "tier", sources)
 
@@ -72,9 +74,11 @@ METRICS: tuple[MetricDef, ...] = (
         COUNTER,
         "Tokens whose KV lmcache loaded into vLLM's KV cache, by the tier it came from. Counted after "
         "the copy succeeded; a failed load is a miss.",
-        cpu="hit_tokens_cpu",
-        disk="hit_tokens_disk",
-        remote="hit_tokens_remote",
+        {
+            Tier.CPU: "hit_tokens_cpu",
+            Tier.DISK: "hit_tokens_disk",
+            Tier.REMOTE: "hit_tokens_remote",
+        },
     ),
     _c(
         "lmcache_block_hit_tokens",
@@ -86,9 +90,11 @@ METRICS: tuple[MetricDef, ...] = (
         "lmcache_loaded_bytes",
         COUNTER,
         "KV bytes loaded into vLLM's KV cache, by the tier they came from.",
-        cpu="hit_bytes_cpu",
-        disk="hit_bytes_disk",
-        remote="hit_bytes_remote",
+        {
+            Tier.CPU: "hit_bytes_cpu",
+            Tier.DISK: "hit_bytes_disk",
+            Tier.REMOTE: "hit_bytes_remote",
+        },
     ),
     _c("lmcache_store_requests", "Store requests (vLLM handed computed KV to lmcache).", "store_requests"),
     _c("lmcache_stored_tokens", "Tokens newly stored (CPU tier, written through to disk/remote).", "stored_tokens"),
@@ -96,40 +102,50 @@ METRICS: tuple[MetricDef, ...] = (
         "lmcache_stored_bytes",
         COUNTER,
         "Bytes stored, by tier: cpu = chunks put into the CPU tier; disk/remote = writes completed.",
-        cpu="stored_bytes",
-        disk="disk_bytes_written",
-        remote="remote_put_bytes",
+        {
+            Tier.CPU: "stored_bytes",
+            Tier.DISK: "disk_bytes_written",
+            Tier.REMOTE: "remote_bytes_written",
+        },
     ),
     _c("lmcache_load_errors", "Loads that failed or came back short (the tokens were recomputed).", "load_errors"),
     _by_tier(
         "lmcache_evictions",
         COUNTER,
         "Entries evicted to make room, by tier.",
-        cpu="evictions",
-        disk="disk_evictions",
+        {
+            Tier.CPU: "evictions",
+            Tier.DISK: "disk_evictions",
+        },
     ),
     _by_tier(
         "lmcache_corrupt_entries",
         COUNTER,
         "Entries that failed verification (checksum, key or format) and were deleted, by tier.",
-        disk="disk_corrupt_entries",
-        remote="remote_corrupt",
+        {
+            Tier.DISK: "disk_corrupt_entries",
+            Tier.REMOTE: "remote_corrupt_entries",
+        },
     ),
     _by_tier(
         "lmcache_write_errors",
         COUNTER,
         "Writes that failed with an error, by tier.",
-        disk="disk_write_errors",
-        remote="remote_put_errors",
+        {
+            Tier.DISK: "disk_write_errors",
+            Tier.REMOTE: "remote_write_errors",
+        },
     ),
     _by_tier(
         "lmcache_dropped_writes",
         COUNTER,
         "Writes not done: pool/queue/budget full, no space, entry too large or tier unavailable, by tier "
         "(cpu counts chunks).",
-        cpu="store_skipped_chunks",
-        disk=("disk_puts_dropped_queue_full", "disk_puts_rejected_no_space", "disk_puts_rejected_too_large"),
-        remote=("remote_put_dropped", "remote_put_skipped"),
+        {
+            Tier.CPU: "store_skipped_chunks",
+            Tier.DISK: ("disk_puts_dropped_queue_full", "disk_puts_rejected_no_space", "disk_puts_rejected_too_large"),
+            Tier.REMOTE: ("remote_puts_dropped_inflight_full", "remote_puts_skipped_unavailable"),
+        },
     ),
     _c("lmcache_remote_errors", "Failed remote calls (connection loss, timeouts, errors).", "remote_errors"),
     _c("lmcache_remote_breaker_trips", "Times the remote breaker opened (one per outage).", "remote_breaker_open"),
@@ -144,15 +160,19 @@ METRICS: tuple[MetricDef, ...] = (
         "lmcache_pool_used_bytes",
         GAUGE,
         "Bytes in use, by tier (cpu = the memory pool, disk = entry files).",
-        cpu="pool_used_bytes_cpu",
-        disk="pool_used_bytes_disk",
+        {
+            Tier.CPU: "pool_used_bytes_cpu",
+            Tier.DISK: "pool_used_bytes_disk",
+        },
     ),
     _by_tier(
         "lmcache_pool_capacity_bytes",
         GAUGE,
         "Configured capacity in bytes, by tier.",
-        cpu="pool_capacity_bytes_cpu",
-        disk="pool_capacity_bytes_disk",
+        {
+            Tier.CPU: "pool_capacity_bytes_cpu",
+            Tier.DISK: "pool_capacity_bytes_disk",
+        },
     ),
     _c(
         "lmcache_encoder_cache_lookups",
@@ -267,7 +287,7 @@ def summarize_payload(payload: Mapping[str, Any]) -> dict[str, int | float]:
     c = payload.get("c", {})
     out: dict[str, int | float] = {
         "lmcache_lookup_tokens": int(c.get("lookup_tokens", 0)),
-        "lmcache_hit_tokens": int(sum(c.get(f"hit_tokens_{t}", 0) for t in ("cpu", "disk", "remote"))),
+        "lmcache_hit_tokens": int(sum(c.get(f"hit_tokens_{t}", 0) for t in TIERS)),
         "lmcache_stored_tokens": int(c.get("stored_tokens", 0)),
     }
     if c.get("load_errors"):

@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from lmcache.v1.tiers import TIERS, Tier
+
 if TYPE_CHECKING:
     from lmcache.v1.cache_engine import LMCacheEngine
 
@@ -90,14 +92,14 @@ def engine_snapshot(engine: LMCacheEngine) -> dict[str, float]:
     out["pool_used_bytes_cpu"] = sm.allocator.used_bytes
     out["pool_capacity_bytes_cpu"] = sm.allocator.capacity
     for backend in sm.lower:
-        tier = getattr(backend, "tier", "other")
+        tier = getattr(backend, "tier", Tier.OTHER)
         stats = getattr(backend, "stats", None)
-        if stats is not None and tier in ("disk", "remote"):
+        if stats is not None and tier in (Tier.DISK, Tier.REMOTE):
             out.update({f"{tier}_{k}": v for k, v in stats.snapshot().items()})
-        if tier == "disk":
+        if tier == Tier.DISK:
             out["pool_used_bytes_disk"] = backend.used_bytes
             out["pool_capacity_bytes_disk"] = backend.capacity_bytes
-        elif tier == "remote":
+        elif tier == Tier.REMOTE:
             out["remote_available"] = 1 if backend.available else 0
     hs = getattr(engine, "hidden_state_store", None)
     if hs is not None:
@@ -136,4 +138,4 @@ def merge_rank_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, fl
 
 def loaded_tokens(snap: Mapping[str, Any]) -> int:
     """Tokens loaded from any tier (``hit_tokens_cpu + _disk + _remote``)."""
-    return int(sum(snap.get(f"hit_tokens_{t}", 0) for t in ("cpu", "disk", "remote")))
+    return int(sum(snap.get(f"hit_tokens_{t}", 0) for t in TIERS))

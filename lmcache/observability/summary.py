@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Mapping
 
 from lmcache.observability.snapshot import loaded_tokens
+from lmcache.v1.tiers import TIERS
 
 logger = logging.getLogger("lmcache.summary")
 
@@ -41,7 +42,7 @@ def format_summary(now: Mapping[str, float], before: Mapping[str, float], second
     parts = [
         f"{d('lookup_requests')} lookups",
         f"token hit rate {rate} ({loaded} loaded of {looked} looked up)",
-        "loaded " + " / ".join(f"{t} {d(f'hit_tokens_{t}')}" for t in ("cpu", "disk", "remote")) + " tokens",
+        "loaded " + " / ".join(f"{t} {d(f'hit_tokens_{t}')}" for t in TIERS) + " tokens",
         f"stored {d('stored_tokens')} tokens",
     ]
     pools = [f"cpu {_gib(now.get('pool_used_bytes_cpu', 0))}/{_gib(now.get('pool_capacity_bytes_cpu', 0))} GiB"]

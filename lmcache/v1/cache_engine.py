@@ -406,7 +406,7 @@ class LMCacheEngine:
             raise ValueError(
                 "gpu_connector: layerwise store/retrieve need use_layerwise: true and a layerwise connector "
                 "(VLLMPagedMemLayerwiseGPUConnector or VLLMBufferLayerwiseGPUConnector); this engine uses the "
-                f"{self.transfer.name} path with {type(self._ctx.connector).__name__}"
+                f"bulk path with {type(self._ctx.connector).__name__}"
             )
         path.check_layer_calls()
         return path

@@ -62,6 +62,7 @@ from lmcache.v1.keys import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolReservation, pool_bytes
 from lmcache.v1.request import TransferRequest
 from lmcache.v1.storage_backend.storage_manager import LookupResult, StorageManager
+from lmcache.v1.tiers import Tier
 from lmcache.v1.token_database import ChunkSpan
 from lmcache.v1.transfer import LayerwiseTransferPath, TransferContext, equal_runs, release
 
@@ -338,8 +339,6 @@ class _RetrieveState:
 class LayerwiseTransfer(LayerwiseTransferPath):
     """One object and one key per (chunk, layer); copies one layer per ``next()`` (module docstring)."""
 
-    name = "layerwise"
-
     def __init__(self, ctx: TransferContext) -> None:
         super().__init__(ctx)
         self.num_layers = ctx.metadata.num_layers
@@ -528,7 +527,7 @@ class LayerwiseTransfer(LayerwiseTransferPath):
             ctx.stats.add(retrieve_requests=1, requested_tokens=req.requested_tokens)
             keys = LayerKeys([s.key for s in spans], num_layers)
             hit = len(spans)
-            sources: list[list[str]] = []
+            sources: list[list[Tier]] = []
             want = _shapes(connector, spans)
             if hit:
                 loader = connector.batched_to_gpu([s.start for s in spans], [s.end for s in spans], req.kv)
@@ -574,7 +573,7 @@ class LayerwiseTransfer(LayerwiseTransferPath):
                 req.mark_written(ret, spans[0].start, spans[hit - 1].end)
             _touch_tail_to_head(sm, keys, hit)
             if hit:
-                tiers = [h[0] if h else "unknown" for h in sources[:hit]]
+                tiers = [h[0] if h else Tier.UNKNOWN for h in sources[:hit]]
                 itemsize = ctx.metadata.kv_dtype.itemsize
                 nbytes = [math.prod(shape) * itemsize * num_layers for shape in want[:hit]]  # every layer fitted its shape
                 ctx.count_loaded(spans[:hit], tiers, nbytes, ret)

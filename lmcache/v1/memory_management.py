@@ -49,8 +49,20 @@ class MemoryFormat(enum.Enum):
     """[num_bytes] uint8: opaque bytes."""
 
     def token_dim(self) -> int:
-        """Index of the token axis in this format's shape."""
-        return {1: 2, 2: 0, 3: 2, 4: 0, 5: 0, 6: 0}[self.value]
+        """Index of the token axis in this format's shape (:data:`TOKEN_DIM`)."""
+        return TOKEN_DIM[self]
+
+
+TOKEN_DIM: dict[MemoryFormat, int] = {
+    MemoryFormat.KV_2LTD: 2,
+    MemoryFormat.KV_T2D: 0,
+    MemoryFormat.KV_MLA_FMT: 2,
+    MemoryFormat.HS_TD: 0,
+    MemoryFormat.EC_TD: 0,
+    MemoryFormat.BINARY: 0,
+}
+"""Index of the token axis of each format's shape (as the member docstrings write it; BINARY's
+only axis, its bytes)."""
 
 
 @dataclass(frozen=True, slots=True)

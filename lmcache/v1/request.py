@@ -24,8 +24,11 @@ run ends as defence in depth).
 Bad input raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value), naming the
 argument, the value and what was expected. Unknown keyword arguments raise TypeError.
 
-The native scans (:func:`native_int_stats`, also used by the slot-mapping check) and
-their switch (``LMCACHE_NATIVE_HASH=0``) live here.
+Two switches of the optional native module ``lmcache._keyhash`` live here, both read
+once at import: ``LMCACHE_NATIVE_SCANS=0`` keeps token conversion and slot-mapping scans
+(:func:`tokens_to_array`, :func:`native_int_stats`) on numpy/torch, and
+``LMCACHE_NATIVE_HASH=0`` keeps chunk hashing (:mod:`lmcache.v1.token_database`) on
+hashlib (the key classes read the same variable, :mod:`lmcache.v1.keys`).
 
 Thread-safety: the objects are immutable; building one has no side effects.
 """
@@ -197,10 +200,12 @@ except ImportError:  # pragma: no cover - depends on the build
 
 _NATIVE_HASH = os.environ.get("LMCACHE_NATIVE_HASH", "1") != "0"
 """False when ``LMCACHE_NATIVE_HASH=0`` was set at import (tests switch this attribute)."""
+_NATIVE_SCANS = os.environ.get("LMCACHE_NATIVE_SCANS", "1") != "0"
+"""False when ``LMCACHE_NATIVE_SCANS=0`` was set at import (tests switch this attribute)."""
 
 
 def native_hash_enabled() -> bool:
-    """False when ``LMCACHE_NATIVE_HASH=0`` asks for the Python token, slot and hashing paths.
+    """False when ``LMCACHE_NATIVE_HASH=0`` asks for the hashlib chunk-hashing path.
     Read once at import, like the key classes' switch in :mod:`lmcache.v1.keys` (reading
     ``os.environ`` on every request cost ~40 us with cold caches)."""
     return _NATIVE_HASH
@@ -209,8 +214,8 @@ def native_hash_enabled() -> bool:
 def _native_int32(tokens: object) -> np.ndarray | None:
     """``tokens`` (an exact list / tuple of ints, or an int64 array) as int32 in one C pass
     that also checks the range; None when the native module is missing, disabled
-    (``LMCACHE_NATIVE_HASH=0``) or declines the input."""
-    if _tokens_int32 is None or not native_hash_enabled():
+    (``LMCACHE_NATIVE_SCANS=0``) or declines the input."""
+    if _tokens_int32 is None or not _NATIVE_SCANS:
         return None
     raw = _tokens_int32(tokens)
     return None if raw is None else np.frombuffer(raw, _I4)
@@ -222,7 +227,7 @@ def _native_address(t: torch.Tensor, dtype: torch.dtype | None = None) -> int | 
     ``dtype``: ``t.dtype`` when the caller has read it already. Each tensor attribute is
     read once, and only as far as needed: with cold caches (right after a large copy) the
     first call into torch costs 10-15 us and each further distinct one a few."""
-    if _int_stats is None or not _NATIVE_HASH:
+    if _int_stats is None or not _NATIVE_SCANS:
         return None
     if (dtype or t.dtype) not in _SLOT_DTYPES or not t.is_cpu or t.layout != torch.strided:
         return None
@@ -235,7 +240,7 @@ def _native_address(t: torch.Tensor, dtype: torch.dtype | None = None) -> int | 
 def native_int_stats(t: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> tuple[int, int] | None:
     """``(largest, index of the first negative or n)`` of the first ``n`` (>= 1) entries of
     ``t`` in one C pass; None when the native module is missing or disabled
-    (``LMCACHE_NATIVE_HASH=0``) or ``t`` is not a contiguous 1-D int32/int64 CPU tensor
+    (``LMCACHE_NATIVE_SCANS=0``) or ``t`` is not a contiguous 1-D int32/int64 CPU tensor
     (the caller then scans with numpy or torch). ``dtype``: ``t.dtype`` when already read."""
     addr = _native_address(t, dtype)
     if addr is None:

@@ -7,10 +7,6 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
-TIERS = ("cpu", "disk", "remote")
-"""Tier labels, L1 first."""
-
-
 @dataclass(slots=True)
 class Counters:
     """Base of every counter set: integer fields, updated under one lock.
@@ -67,6 +63,35 @@ class CacheStats(Counters):
     corrupt_entries: int = 0
     """Stored entries that did not fit the request's layout (shape/dtype/format): served as
     misses and removed from every tier."""
+
+
+@dataclass(slots=True)
+class TierStats(Counters):
+    """The counters every lower tier keeps, under the same names: snapshot keys
+    ``<tier>_<name>`` (``disk_bytes_read``, ``remote_bytes_read``, ...). A tier adds its
+    own in a subclass (:class:`~lmcache.v1.storage_backend.local_disk_backend.DiskTierStats`,
+    :class:`~lmcache.v1.storage_backend.remote_backend.RemoteStats`). Submissions are
+    ``puts_*`` (decided when a put is submitted), completed I/O is ``writes_*``. The CPU
+    tier's equivalents are engine counters (:class:`CacheStats`): ``hit_bytes_cpu``,
+    ``stored_bytes``, ``store_skipped_chunks``, ``evictions``."""
+
+    hits: int = 0
+    """Reads that returned an entry."""
+    misses: int = 0
+    """Reads that returned nothing (absent, corrupt, failed, or no room in the CPU pool)."""
+    bytes_read: int = 0
+    """Bytes read for the hits (disk: the payload; remote: header and payload)."""
+    writes_completed: int = 0
+    """Entries written."""
+    bytes_written: int = 0
+    """Bytes of the entries written, header included."""
+    write_errors: int = 0
+    """Writes that failed with an error."""
+    corrupt_entries: int = 0
+    """Entries that failed verification (checksum, key, namespace, version or format), found
+    by a read (a miss) or, on disk, by the start-up scan; each was deleted."""
+    alloc_failures: int = 0
+    """Hits turned into misses because the CPU pool had no room."""
 
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -25,7 +25,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -37,9 +36,9 @@ from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.metadata import LMCacheEngineMetadata
 from lmcache.v1.request import TransferRequest
-from lmcache.v1.stats import TIERS as _TIERS
 from lmcache.v1.stats import CacheStats, LatencyHistogram
 from lmcache.v1.storage_backend.storage_manager import LookupResult, StorageManager
+from lmcache.v1.tiers import TIERS, Tier
 from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan
 
 logger = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ class TransferContext:
                 return i
         return len(objs)
 
-    def count_loaded(self, spans: Sequence[ChunkSpan], tiers: Sequence[str], nbytes: Sequence[int], written: torch.Tensor) -> None:
+    def count_loaded(self, spans: Sequence[ChunkSpan], tiers: Sequence[Tier], nbytes: Sequence[int], written: torch.Tensor) -> None:
         """Count the tokens (and bytes) of ``spans`` whose KV was written into the caller's
         cache, by the tier each chunk came from. ``written`` is the retrieve's mask (CPU
         bool tensor, True where KV was written: a token without a slot, e.g. the prompt's
@@ -133,13 +132,13 @@ class TransferContext:
         # written tokens before each span boundary, from one cumulative sum (no per-span tensor op)
         csum = np.concatenate(([0], np.cumsum(written[: spans[-1].end].numpy(), dtype=np.int64)))
         bounds = csum[[i for s in spans for i in (s.start, s.end)]].tolist()
-        tokens: dict[str, int] = {}
-        sizes: dict[str, int] = {}
+        tokens: dict[Tier, int] = {}
+        sizes: dict[Tier, int] = {}
         for k, (tier, size) in enumerate(zip(tiers, nbytes)):
             tokens[tier] = tokens.get(tier, 0) + bounds[2 * k + 1] - bounds[2 * k]
             sizes[tier] = sizes.get(tier, 0) + size
-        deltas = {f"hit_tokens_{t}": v for t, v in tokens.items() if t in _TIERS}
-        deltas.update({f"hit_bytes_{t}": v for t, v in sizes.items() if t in _TIERS})
+        deltas = {f"hit_tokens_{t}": v for t, v in tokens.items() if t in TIERS}
+        deltas.update({f"hit_bytes_{t}": v for t, v in sizes.items() if t in TIERS})
         if deltas:
             self.stats.add(**deltas)
         logger.debug("lmcache load: %s tokens by tier", tokens)
@@ -163,7 +162,7 @@ class _Tail:
 
     span: ChunkSpan
     obj: MemoryObj
-    source: str
+    source: Tier
 
 
 def release(objs: Sequence[MemoryObj | None]) -> None:
@@ -191,9 +190,6 @@ class TransferPath(ABC):
     Every method takes keys or a validated :class:`~lmcache.v1.request.TransferRequest`
     and trusts it. ``store``/``retrieve`` block until the copy is complete.
     """
-
-    name: ClassVar[str]
-    """``"bulk"`` or ``"layerwise"`` (for logs)."""
 
     def __init__(self, ctx: TransferContext) -> None:
         self.ctx = ctx
@@ -236,8 +232,6 @@ class LayerwiseTransferPath(TransferPath):
 
 class BulkTransfer(TransferPath):
     """All layers of a chunk in one object; one batched copy per store/retrieve."""
-
-    name = "bulk"
 
     def connector(self) -> GPUConnectorInterface:
         """The engine's connector if it is a bulk one; ValueError otherwise."""
@@ -320,7 +314,7 @@ class BulkTransfer(TransferPath):
         if not spans and ctx.blocks is None:
             return ret
         connector = self.connector()
-        sources: list[str] = []
+        sources: list[Tier] = []
         objs = ctx.storage_manager.batched_get([s.key for s in spans], sources=sources)
         hits = [o for o in objs if o is not None]
         fit = ctx.fitting_prefix(spans, hits, connector)
@@ -373,7 +367,7 @@ class BulkTransfer(TransferPath):
             return None
         prev = spans[num_hit - 1].key if num_hit else None
         hashes = blocks.prefix_hashes(req.tokens[start : start + chunk], blocks.prev_digest(req.tokens, req.extras, start // chunk, prev))
-        sources: list[str] = []
+        sources: list[Tier] = []
         for hit in blocks.index.candidates(hashes):  # longest first; a gone entry falls back
             obj = ctx.storage_manager.batched_get([hit.key], sources=sources)[0]
             if obj is not None:
@@ -396,7 +390,7 @@ class BulkTransfer(TransferPath):
             if part is None:
                 return None
             obj = part
-        return _Tail(ChunkSpan(start, start + n, hit.key), obj, sources[0] if sources else "unknown")
+        return _Tail(ChunkSpan(start, start + n, hit.key), obj, sources[0] if sources else Tier.UNKNOWN)
 
     def lookup(self, keys: Sequence[CacheEngineKey], pin: bool, search_range: frozenset[str] | None = None) -> LookupResult:
         return self.ctx.storage_manager.batched_lookup([keys], pin, search_range=search_range)

@@ -139,13 +139,13 @@ def test_disk_commands_reject_a_missing_directory(capsys, tmp_path):
 # ------------------------------------------------------------------------ remote
 def test_remote_ping_reports_latency_and_our_entries(capsys, redis_server):  # noqa: F811
     snap = _store({"remote_url": redis_server.url})
-    assert snap["remote_puts"] == TOKENS // CHUNK
+    assert snap["remote_writes_completed"] == TOKENS // CHUNK
     redis_server.client().set("someone-else:key", b"x" * 10)  # not ours: not counted
     rc, out, _ = run(capsys, "remote", "ping", redis_server.url, "--json")
     assert rc == 0
     report = json.loads(out)
     assert report["entries"] == TOKENS // CHUNK
-    assert report["bytes"] == snap["remote_put_bytes"]
+    assert report["bytes"] == snap["remote_bytes_written"]
     assert 0 <= report["rtt_ms"]["min"] <= report["rtt_ms"]["median"] <= report["rtt_ms"]["max"]
     rc, out, _ = run(capsys, "remote", "ping", redis_server.url)
     assert rc == 0 and "reachable" in out and f"{TOKENS // CHUNK} lmcache entries" in out

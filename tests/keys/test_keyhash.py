@@ -62,6 +62,7 @@ def all_paths(db, tokens, extras, partial, monkeypatch):
     results = []
     for flag in ("1", "0"):
         monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
+        monkeypatch.setattr(request_mod, "_NATIVE_SCANS", flag == "1")
         for form in forms:
             pk = db.prefix_keys(form, extras, include_partial=partial)
             results.append((pk.num_tokens, [fields(k) for k in pk.keys]))
@@ -122,6 +123,7 @@ def test_declined_inputs_take_the_validating_path(monkeypatch, tokens):
     outcomes = []
     for flag in ("1", "0"):
         monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
+        monkeypatch.setattr(request_mod, "_NATIVE_SCANS", flag == "1")
         try:
             pk = db.prefix_keys(tokens, KeyExtras.from_kwargs({}))
             outcomes.append(("ok", pk.num_tokens, [fields(k) for k in pk.keys]))
@@ -140,7 +142,7 @@ def test_large_ints_and_boundaries_match():
 
 
 def _to_array_outcome(tokens, monkeypatch, flag: str):
-    monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
+    monkeypatch.setattr(request_mod, "_NATIVE_SCANS", flag == "1")
     try:
         arr = tokens_to_array(tokens)
     except (TypeError, ValueError) as exc:
@@ -178,7 +180,7 @@ def test_native_token_conversion_equals_numpy(tokens, form):
 
 
 def _slots_outcome(slots, n, capacity, monkeypatch, flag: str):
-    monkeypatch.setattr(request_mod, "_NATIVE_HASH", flag == "1")
+    monkeypatch.setattr(request_mod, "_NATIVE_SCANS", flag == "1")
     try:
         out, first_neg = check_slot_mapping(slots, n, capacity, torch.device("cpu"))
     except (TypeError, ValueError) as exc:
@@ -253,3 +255,20 @@ def test_recent_digests_stay_within_their_bounds(monkeypatch):
     db.spans(np.zeros(41, dtype=np.int32))  # longer than the whole budget: not remembered
     assert [t for _, t, _ in db._recent._entries] == before
     assert [s.key.chunk_hash for s in db.spans(np.full(16, 11, dtype=np.int32))] == reference_hashes(db, [11] * 16, ex, False)
+
+
+@native
+def test_hash_and_scan_switches_are_independent(monkeypatch):
+    """``LMCACHE_NATIVE_HASH=0`` turns off native chunk hashing only; ``LMCACHE_NATIVE_SCANS=0``
+    turns off the native token conversion and slot scans only."""
+    t = torch.arange(8, dtype=torch.int64)
+    monkeypatch.setattr(request_mod, "_NATIVE_HASH", False)
+    monkeypatch.setattr(request_mod, "_NATIVE_SCANS", True)
+    assert not native_hashing()
+    assert request_mod._native_int32([1, 2, 3]) is not None
+    assert request_mod.native_int_stats(t, 8) == (7, 8)
+    monkeypatch.setattr(request_mod, "_NATIVE_HASH", True)
+    monkeypatch.setattr(request_mod, "_NATIVE_SCANS", False)
+    assert native_hashing()
+    assert request_mod._native_int32([1, 2, 3]) is None
+    assert request_mod.native_int_stats(t, 8) is None

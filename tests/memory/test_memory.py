@@ -182,3 +182,13 @@ def test_reserve_needs_one_contiguous_block():
     assert alloc.reserve((ALIGN,), torch.uint8, MemoryFormat.BINARY, 1) is not None
     with pytest.raises(ValueError):
         alloc.reserve((ALIGN,), torch.uint8, MemoryFormat.BINARY, 0)
+
+
+def test_every_format_names_its_token_axis():
+    """``token_dim`` is keyed by format: every member has one, within its documented rank."""
+    ranks = {MemoryFormat.KV_2LTD: 4, MemoryFormat.KV_T2D: 3, MemoryFormat.KV_MLA_FMT: 4,
+             MemoryFormat.HS_TD: 2, MemoryFormat.EC_TD: 2, MemoryFormat.BINARY: 1}
+    assert set(ranks) == set(MemoryFormat)
+    for fmt, rank in ranks.items():
+        assert 0 <= fmt.token_dim() < rank
+    assert (MemoryFormat.KV_2LTD.token_dim(), MemoryFormat.KV_T2D.token_dim()) == (2, 0)

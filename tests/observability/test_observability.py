@@ -463,3 +463,31 @@ def np_array(tokens):
     import numpy as np
 
     return np.asarray(tokens, dtype=np.int32)
+
+
+def test_tiers_share_one_counter_vocabulary():
+    """Tier labels are :class:`Tier` values, and the disk and remote tiers feed each per-tier
+    metric from the same counter name (``disk_<name>`` / ``remote_<name>``)."""
+    import dataclasses
+
+    from lmcache.observability.metrics import METRICS
+    from lmcache.v1.stats import TierStats
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.v1.storage_backend.local_disk_backend import DiskTierStats, LocalDiskBackend
+    from lmcache.v1.storage_backend.remote_backend import RemoteBackend, RemoteStats
+    from lmcache.v1.tiers import TIERS, Tier
+
+    assert [LocalCPUBackend.tier, LocalDiskBackend.tier, RemoteBackend.tier] == list(TIERS)
+    shared = {f.name for f in dataclasses.fields(TierStats) if not f.name.startswith("_")}
+    for cls in (DiskTierStats, RemoteStats):
+        assert issubclass(cls, TierStats) and shared <= set(cls().snapshot())
+    for m in METRICS:
+        if m.label is None:
+            continue
+        assert all(isinstance(label, Tier) and label in TIERS for label, _ in m.sources), m.name
+        by_tier = dict(m.sources)
+        if Tier.DISK in by_tier and Tier.REMOTE in by_tier and len(by_tier[Tier.REMOTE]) == 1:
+            (disk_key,), (remote_key,) = by_tier[Tier.DISK], by_tier[Tier.REMOTE]
+            if disk_key.startswith("disk_"):
+                assert disk_key.removeprefix("disk_") == remote_key.removeprefix("remote_"), m.name
+                assert disk_key.removeprefix("disk_") in shared, m.name

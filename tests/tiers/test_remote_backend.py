@@ -78,9 +78,9 @@ def test_large_values_and_stats(redis_server, via, remote_manager):
         o.ref_count_down()
     assert rb.get_blocking(key(99)) is None
     stats = rb.stats.snapshot()
-    assert stats["puts"] == 4 and stats["hits"] == 4 and stats["misses"] == 1
-    assert stats["errors"] == 0 and stats["corrupt"] == 0
-    assert stats["put_bytes"] == stats["get_bytes"] > 4 * (2 << 20)
+    assert stats["writes_completed"] == 4 and stats["hits"] == 4 and stats["misses"] == 1
+    assert stats["errors"] == 0 and stats["corrupt_entries"] == 0
+    assert stats["bytes_written"] == stats["bytes_read"] > 4 * (2 << 20)
     sm.close()
     assert sm.allocator.used_bytes == 0
 
@@ -171,8 +171,8 @@ def test_write_budget_drops_instead_of_blocking(redis_server, remote_manager):
         rb.submit_put(key(i), o)
     assert rb.flush(FLUSH_S)
     stats = rb.stats.snapshot()
-    assert stats["puts"] >= 1 and stats["put_dropped"] >= 1
-    assert stats["puts"] + stats["put_dropped"] == 8
+    assert stats["writes_completed"] >= 1 and stats["puts_dropped_inflight_full"] >= 1
+    assert stats["writes_completed"] + stats["puts_dropped_inflight_full"] == 8
     assert all(o.ref_count == 1 for o in objs)
     for o in objs:
         o.ref_count_down()
@@ -221,5 +221,5 @@ def test_two_engine_processes_share_one_redis(redis_server, tmp_path):
     report = retrieve_in_fresh_process(redis_server.url, tmp_path / "kv.pt")
     assert report["retrieved"] == len(SHARE_TOKENS)
     assert report["remote"]["hits"] == len(SHARE_TOKENS) // 16
-    assert report["remote"]["corrupt"] == 0
+    assert report["remote"]["corrupt_entries"] == 0
     assert_shared_kv_identical(kv, tmp_path / "kv.pt")

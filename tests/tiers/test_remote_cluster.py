@@ -66,7 +66,7 @@ def test_cluster_follows_moved_redirects(redis_cluster: RedisClusterProcs, remot
     rb.submit_put(key(1), obj)
     assert rb.flush(FLUSH_S)
     stats = rb.stats.snapshot()
-    assert (stats["puts"], stats["hits"], stats["errors"], stats["breaker_open"]) == (2, 1, 0, 0)
+    assert (stats["writes_completed"], stats["hits"], stats["errors"], stats["breaker_open"]) == (2, 1, 0, 0)
     obj.ref_count_down()
 
 

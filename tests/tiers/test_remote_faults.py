@@ -96,7 +96,7 @@ def test_server_killed_mid_run(redis_server: RedisServer, caplog):
         assert bounded(engine.storage_manager.flush, FLUSH_S)
         stats = rb.stats.snapshot()
         assert stats["breaker_open"] == 1 and not rb.available
-        assert stats["put_skipped"] >= 1
+        assert stats["puts_skipped_unavailable"] >= 1
         # while open, every call is answered at once without touching the network
         rejects = stats["breaker_rejects"]
         assert bounded(rb.get_blocking, key(1), limit=0.5) is None
@@ -129,7 +129,7 @@ def test_local_tiers_serve_and_remote_refills_after_restart(redis_server: RedisS
         assert a.storage_manager.flush(FLUSH_S)
         assert rb.batched_contains(a.keys(other)) == 4
         # connections that died with the server were replaced without a second outage
-        assert (rb.stats.breaker_open, rb.stats.reconnects, rb.stats.puts) == (1, 1, 4)
+        assert (rb.stats.breaker_open, rb.stats.reconnects, rb.stats.writes_completed) == (1, 1, 4)
     finally:
         a.close()
     b = make_engine(SPEC, engine_config(redis_server.url))
@@ -193,8 +193,8 @@ def test_paused_server_during_writes_and_close(redis_server: RedisServer, remote
             sm.put(key(i), o)
         assert bounded(sm.flush, FLUSH_S, limit=2 * TIMEOUT + SLACK)  # writers time out, the rest skip
         stats = remote_of(sm).stats.snapshot()
-        assert stats["breaker_open"] == 1 and stats["puts"] == 0
-        assert stats["put_errors"] + stats["put_skipped"] == 6
+        assert stats["breaker_open"] == 1 and stats["writes_completed"] == 0
+        assert stats["write_errors"] + stats["puts_skipped_unavailable"] == 6
         for o in objs:
             o.ref_count_down()
         bounded(sm.close)
@@ -229,7 +229,7 @@ def test_corrupted_value_is_a_miss_and_is_dropped(redis_server: RedisServer, dam
     client.set(rkey, bytes(value))
     assert rb.contains(key(1))
     assert rb.get_blocking(key(1)) is None
-    assert rb.stats.corrupt == 1 and rb.stats.hits == 0
+    assert rb.stats.corrupt_entries == 1 and rb.stats.hits == 0
     assert not rb.contains(key(1)), "a corrupt entry is deleted"
     assert sm.allocator.used_bytes == obj.get_size(), "the failed read must return its pool memory"
     # the tier still works afterwards
@@ -267,7 +267,7 @@ def test_value_from_another_namespace_is_rejected(redis_server: RedisServer, oth
     reader_backend = writer if other == "key" else reader
     assert reader_backend.contains(target)
     assert reader_backend.get_blocking(target) is None
-    assert reader_backend.stats.corrupt == 1
+    assert reader_backend.stats.corrupt_entries == 1
     got = writer.get_blocking(key(1))  # the original is untouched
     assert got is not None
     got.ref_count_down()
@@ -287,7 +287,7 @@ def test_value_of_another_redis_type_is_a_miss_deleted_and_rewritten(redis_serve
      "set": lambda: client.sadd(rkey, b"x")}[kind]()
     assert sm.batched_contains([key(9)]) == 1  # EXISTS cannot tell
     assert remote.get_blocking(key(9)) is None
-    assert remote.stats.corrupt == 1
+    assert remote.stats.corrupt_entries == 1
     assert not client.exists(rkey), "the foreign value is deleted"
     obj = random_obj(sm, (2, 32), seed=1)
     remote.submit_put(key(9), obj)
@@ -314,7 +314,7 @@ def test_wrong_password_disables_tier_with_one_log_line(redis_server_factory, ca
         # the engine works on its local tier; the remote one is silent
         assert engine.store(list(range(64)), kvcaches=kv, slot_mapping=slots) == 64
         assert engine.lookup(list(range(64))) == 64 and engine.lookup(list(range(100, 164))) == 0
-        assert rb.get_blocking(key(1)) is None and rb.stats.puts == 0
+        assert rb.get_blocking(key(1)) is None and rb.stats.writes_completed == 0
         assert threading.active_count() < 50 and all(t.name != "lmcache-remote-probe" for t in threading.enumerate())
     finally:
         engine.close()

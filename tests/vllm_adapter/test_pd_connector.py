@@ -23,7 +23,7 @@ from tests.vllm_adapter.test_vllm_connector_unit import (
 )
 
 SEND = {"do_remote_decode": True, "do_remote_prefill": False}
-DROPPED, WRITTEN = "put_dropped", "puts"
+DROPPED, WRITTEN = "puts_dropped_inflight_full", "writes_completed"
 
 
 @pytest.fixture(autouse=True)

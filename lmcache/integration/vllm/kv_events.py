@@ -42,8 +42,10 @@ import numpy as np
 import xxhash
 
 from lmcache.v1.keys import CacheEngineKey
+from lmcache.v1.tiers import TIERS, Tier
 
-MEDIUM = {"cpu": "CPU", "disk": "DISK", "remote": "REMOTE"}
+MEDIUM: dict[Tier, str] = {tier: tier.upper() for tier in TIERS}
+"""vLLM's ``medium`` of each built-in tier (``"CPU"``, ``"DISK"``, ``"REMOTE"``)."""
 _MASK63 = (1 << 63) - 1
 
 
@@ -112,7 +114,7 @@ class KVEventRecorder:
             while len(self._chunks) > self.max_chunks:
                 self._chunks.popitem(last=False)
 
-    def __call__(self, kind: str, tier: str, keys: list[CacheEngineKey]) -> None:
+    def __call__(self, kind: str, tier: Tier, keys: list[CacheEngineKey]) -> None:
         """The tiers' listener (``StorageBackend.listener``)."""
         medium = MEDIUM.get(tier)
         if medium is None:

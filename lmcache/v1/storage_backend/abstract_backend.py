@@ -13,6 +13,7 @@ import torch
 
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.tiers import Tier
 
 T = TypeVar("T")
 
@@ -67,9 +68,9 @@ class StorageBackend(ABC):
     name: str = "backend"
     """The tier's name, as LMCache 0.5.6 spells it (``LocalCPUBackend``, ``LocalDiskBackend``,
     ``RemoteBackend``): what ``search_range``/``location`` select and ``contains`` returns."""
-    tier: str = "other"
-    """Tier label in stats, metrics and logs: "cpu", "disk" or "remote"."""
-    listener: Callable[[str, str, list[CacheEngineKey]], None] | None = None
+    tier: Tier = Tier.OTHER
+    """Tier label in stats, metrics and logs (``Tier.CPU``, ``Tier.DISK``, ``Tier.REMOTE``)."""
+    listener: Callable[[str, Tier, list[CacheEngineKey]], None] | None = None
     """Optional ``listener(kind, tier, keys)`` told when entries become readable in this
     tier (``"stored"``: insert, completed write) or stop being (``"removed"``: eviction,
     removal, corrupt entry dropped); not on shutdown. Called on the thread that did it,

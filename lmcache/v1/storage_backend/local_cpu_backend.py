@@ -14,6 +14,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj, PoolAllocator,
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.cache_policy import EvictionPolicy
 from lmcache.v1.storage_backend.resident_index import ResidentIndex, allocate_evicting
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class LocalCPUBackend(StorageBackend):
     tiers and nothing stays resident.
     """
 
-    tier = "cpu"
+    tier = Tier.CPU
 
     name = "LocalCPUBackend"
 

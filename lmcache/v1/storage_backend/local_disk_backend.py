@@ -49,7 +49,7 @@ from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryObj
 from lmcache.v1.options import option, parse_options
 from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
-from lmcache.v1.stats import Counters
+from lmcache.v1.stats import TierStats
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
@@ -62,6 +62,7 @@ from lmcache.v1.storage_backend.disk_file import (
 from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
 from lmcache.v1.storage_backend.disk_writer import DiskWriter
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,9 @@ class DiskTierOptions:
 
 
 @dataclass(slots=True)
-class DiskTierStats(Counters):
-    """Counters of one disk tier. Read with :meth:`snapshot`; tiers update with :meth:`add`."""
+class DiskTierStats(TierStats):
+    """Counters of one disk tier: the shared :class:`~lmcache.v1.stats.TierStats` and the
+    disk's own. Read with :meth:`snapshot`; the tier updates them with :meth:`add`."""
 
     indexed_at_start: int = 0
     """Entries found by the start-up scan."""
@@ -126,18 +128,8 @@ class DiskTierStats(Counters):
     """Puts that found too many pinned, in-use or queued entries to make room."""
     disk_full_events: int = 0
     """Writes that failed because the filesystem was full (the capacity was lowered)."""
-    writes_completed: int = 0
-    bytes_written: int = 0
-    write_errors: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_read: int = 0
-    corrupt_entries: int = 0
-    """Files that failed verification (at start-up or on read); each was deleted."""
     read_errors: int = 0
     """Reads that failed with an I/O error; the file was deleted."""
-    alloc_failures: int = 0
-    """Hits turned into misses because the CPU pool had no room."""
     evictions: int = 0
     adopted: int = 0
     """Entry files written by another process after start-up, found on lookup."""
@@ -160,7 +152,7 @@ class LocalDiskBackend(StorageBackend):
     closed by the tier, shares its lock and index (its ``pending`` queued puts are read here).
     """
 
-    tier = "disk"
+    tier = Tier.DISK
 
     name = "LocalDiskBackend"
 

@@ -32,7 +32,7 @@ from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.options import option, parse_options
-from lmcache.v1.stats import Counters
+from lmcache.v1.stats import TierStats
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.connector import (
     RedisConnector,
@@ -55,6 +55,7 @@ from lmcache.v1.storage_backend.entry_format import (
     payload_checksum,
     verify_payload,
 )
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +66,10 @@ DEFAULT_INFLIGHT_CAP = 512 * MiB
 
 
 @dataclass(slots=True)
-class RemoteStats(Counters):
-    """Counters of one remote tier (read with :meth:`snapshot`)."""
+class RemoteStats(TierStats):
+    """Counters of one remote tier: the shared :class:`~lmcache.v1.stats.TierStats` and the
+    remote tier's own (read with :meth:`snapshot`)."""
 
-    hits: int = 0
-    misses: int = 0
-    corrupt: int = 0
-    """Values that failed verification (bad checksum, other key/namespace/version); deleted."""
     errors: int = 0
     """Failed remote calls of any kind (connection loss, timeouts, error replies)."""
     breaker_open: int = 0
@@ -80,20 +78,14 @@ class RemoteStats(Counters):
     """Reads and lookups answered "miss" at once because the breaker was open."""
     reconnects: int = 0
     auth_failures: int = 0
-    alloc_failures: int = 0
-    """Remote hits dropped because the CPU pool had no room."""
     lookups: int = 0
     lookup_hit_keys: int = 0
-    puts: int = 0
-    put_bytes: int = 0
-    get_bytes: int = 0
-    put_skipped: int = 0
+    puts_skipped_unavailable: int = 0
     """Writes not attempted: tier unavailable, disabled or closing."""
-    put_dropped: int = 0
+    puts_dropped_inflight_full: int = 0
     """Writes dropped because the in-flight budget was full."""
     put_waits: int = 0
     """Writes that waited for room in the budget (inside ``waiting_writes``: disaggregated prefill)."""
-    put_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +178,7 @@ class RemoteBackend(StorageBackend):
     server only opens the breaker.
     """
 
-    tier = "remote"
+    tier = Tier.REMOTE
 
     name = "RemoteBackend"
 
@@ -292,7 +284,7 @@ class RemoteBackend(StorageBackend):
         """Queue an asynchronous write; never blocks. Skipped while the tier is unavailable,
         dropped (and counted) when the in-flight budget is full."""
         if not self._usable(count=False):
-            self.stats.add(put_skipped=1)
+            self.stats.add(puts_skipped_unavailable=1)
             return
         rkey = self.remote_key(key)
         size = obj.get_size()
@@ -300,7 +292,7 @@ class RemoteBackend(StorageBackend):
             if rkey in self._inflight_keys:
                 return
             if not self._room_for(size):
-                self.stats.add(put_dropped=1)
+                self.stats.add(puts_dropped_inflight_full=1)
                 self._warn_once("budget", "remote tier %s: write budget of %d MiB full, dropping writes (logged once)",
                                 self.url, self.options.max_inflight_bytes // MiB)
                 return
@@ -311,7 +303,7 @@ class RemoteBackend(StorageBackend):
             self._writer.submit(self._write, rkey, obj, size, key)
         except RuntimeError:  # executor shut down by a concurrent close()
             self._write_done(rkey, obj, size)
-            self.stats.add(put_skipped=1)
+            self.stats.add(puts_skipped_unavailable=1)
 
     def _room_for(self, size: int) -> bool:
         """Whether a write of ``size`` bytes fits the in-flight budget (under ``self._cv``);
@@ -384,7 +376,7 @@ class RemoteBackend(StorageBackend):
             self.stats.add(misses=1)
             return None
         hdr, obj = got[0]
-        self.stats.add(hits=1, get_bytes=hdr.header_len + hdr.payload_len)
+        self.stats.add(hits=1, bytes_read=hdr.header_len + hdr.payload_len)
         return obj
 
     def get_non_blocking(self, key: CacheEngineKey) -> Future[MemoryObj | None]:
@@ -429,23 +421,23 @@ class RemoteBackend(StorageBackend):
     def _write(self, rkey: str, obj: MemoryObj, size: int, key: CacheEngineKey | None = None) -> None:
         try:
             if self._disabled is not None or not self.breaker.allow():
-                self.stats.add(put_skipped=1)
+                self.stats.add(puts_skipped_unavailable=1)
                 return
             payload = _payload_view(obj)
             header = encode_header(rkey, obj.meta, payload_checksum(payload), align=8)
             self.connector.set(rkey, [header, payload])
-            self.stats.add(puts=1, put_bytes=len(header) + size)
+            self.stats.add(writes_completed=1, bytes_written=len(header) + size)
             if key is not None:
                 self._notify("stored", [key])
         except RemoteError as exc:
-            self.stats.add(put_errors=1)
+            self.stats.add(write_errors=1)
             self._failed(exc, "write")
         except ValueError as exc:  # e.g. a dtype the entry format cannot describe
-            self.stats.add(put_errors=1)
+            self.stats.add(write_errors=1)
             self._warn_once("encode", "remote tier %s: cannot encode an entry (%s); such writes are skipped (logged once)",
                             self.url, exc)
         except Exception:  # last resort on a background thread: never lose the error silently
-            self.stats.add(put_errors=1, errors=1)
+            self.stats.add(write_errors=1, errors=1)
             self._log_once(logging.ERROR, "unexpected-write", "remote tier %s: unexpected error in a write (logged once)",
                            self.url, exc_info=True)
         finally:
@@ -479,7 +471,7 @@ class RemoteBackend(StorageBackend):
                             self.url, what, exc)
 
     def _corrupt(self, rkey: str, exc: CorruptEntryError) -> None:
-        self.stats.add(corrupt=1, misses=1)
+        self.stats.add(corrupt_entries=1, misses=1)
         self._warn_once("corrupt", "remote tier %s: dropping an invalid entry %r (%s) (logged once)", self.url, rkey, exc)
         try:
             self.connector.delete(rkey)

@@ -27,6 +27,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryFormat, MemoryObj, PoolAllocator, PoolReservation, pool_bytes
 from lmcache.v1.request import TIER_NAMES, tier_names
 from lmcache.v1.stats import CacheStats
+from lmcache.v1.tiers import Tier
 from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -253,7 +254,7 @@ class StorageManager:
         return None
 
     def batched_get(
-        self, keys: Sequence[CacheEngineKey], location: str | None = None, *, sources: list[str] | None = None
+        self, keys: Sequence[CacheEngineKey], location: str | None = None, *, sources: list[Tier] | None = None
     ) -> list[MemoryObj | None]:
         """Objects for a prefix of ``keys``; entries after the first miss are None.
 
@@ -261,21 +262,21 @@ class StorageManager:
         tiers in parallel (their reader threads), not one blocking read after another.
         L1 then sees the whole result once: hits are touched and lower-tier hits
         promoted, from the tail to the head so the head stays most recent. If
-        ``sources`` is given, the tier (``StorageBackend.tier``: "cpu", "disk",
-        "remote") of each returned object is appended to it, in order. ``location``
-        (LMCache's keyword, a tier name) reads that one tier only.
+        ``sources`` is given, the tier (``StorageBackend.tier``, a :class:`Tier`) of each
+        returned object is appended to it, in order. ``location`` (LMCache's keyword, a
+        tier name) reads that one tier only.
         """
         if location is not None:
             return self._read_at(self._location(location), keys, sources)
         out: list[MemoryObj | None] = list(self.local_cpu.get_prefix(keys))
         n_l1 = len(out)
-        holders: list[list[str]] = [[] for _ in keys[n_l1:]]
+        holders: list[list[Tier]] = [[] for _ in keys[n_l1:]]
         if n_l1 < len(keys):
             out += _gather_prefix([self._read_lower(k, h) for k, h in zip(keys[n_l1:], holders)]).result()
         self.local_cpu.admit_sequence(keys[: len(out)], out)
         if sources is not None:
             sources.extend(self.local_cpu.tier for _ in range(n_l1))
-            sources.extend(h[0] if h else "unknown" for h, o in zip(holders, out[n_l1:]) if o is not None)
+            sources.extend(h[0] if h else Tier.UNKNOWN for h, o in zip(holders, out[n_l1:]) if o is not None)
         return out
 
     def get_non_blocking(self, key: CacheEngineKey, location: str | None = None) -> Future[MemoryObj | None]:
@@ -288,7 +289,7 @@ class StorageManager:
         return self._get_non_blocking(key, None)
 
     def _read_at(
-        self, backend: StorageBackend | None, keys: Sequence[CacheEngineKey], sources: list[str] | None = None
+        self, backend: StorageBackend | None, keys: Sequence[CacheEngineKey], sources: list[Tier] | None = None
     ) -> list[MemoryObj | None]:
         """Objects of a prefix of ``keys`` from ``backend`` only (None from the first miss
         on; None backend: all misses), one reference each for the caller; lower-tier hits
@@ -305,7 +306,7 @@ class StorageManager:
             sources.extend(backend.tier for _ in hits)
         return [*hits, *([None] * (len(keys) - len(hits)))]
 
-    def _get_non_blocking(self, key: CacheEngineKey, source: list[str] | None) -> Future[MemoryObj | None]:
+    def _get_non_blocking(self, key: CacheEngineKey, source: list[Tier] | None) -> Future[MemoryObj | None]:
         """:meth:`get_non_blocking`; a hit appends its tier name to ``source``."""
         obj = self.local_cpu.get_blocking(key)
         if obj is not None:
@@ -316,7 +317,7 @@ class StorageManager:
         self._read_from(key, 0, out, promote=True, source=source)
         return out
 
-    def _read_lower(self, key: CacheEngineKey, source: list[str] | None = None) -> Future[MemoryObj | None]:
+    def _read_lower(self, key: CacheEngineKey, source: list[Tier] | None = None) -> Future[MemoryObj | None]:
         """Future of the first lower-tier hit of ``key`` (None if none), not promoted;
         a hit appends its tier name to ``source``."""
         out: Future[MemoryObj | None] = Future()
@@ -324,7 +325,7 @@ class StorageManager:
         return out
 
     def _read_from(
-        self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool, source: list[str] | None = None
+        self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool, source: list[Tier] | None = None
     ) -> None:
         """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
         if tier == len(self.lower):
@@ -349,7 +350,7 @@ class StorageManager:
         keys: Sequence[Sequence[CacheEngineKey]],
         location: str | None = None,
         *,
-        sources: list[list[str]] | None = None,
+        sources: list[list[Tier]] | None = None,
     ) -> Iterator[Future]:
         """Yield one Future per layer of ``keys`` (``keys[layer][chunk]``); its result is the
         list of that layer's objects.
@@ -365,7 +366,7 @@ class StorageManager:
         if location is not None:
             backend = self._location(location)
             for layer, layer_keys in enumerate(keys):
-                found: list[str] = []
+                found: list[Tier] = []
                 objs = self._read_at(backend, layer_keys, found)
                 if sources is not None and layer == 0:
                     sources.extend([tier] for tier in found)
@@ -380,7 +381,7 @@ class StorageManager:
         keys: Sequence[CacheEngineKey],
         *,
         held: list[MemoryObj] | None = None,
-        sources: list[list[str]] | None = None,
+        sources: list[list[Tier]] | None = None,
         touch: bool = True,
     ) -> Future:
         """One layer of :meth:`layerwise_batched_get`: a Future of the objects of a prefix
@@ -398,7 +399,7 @@ class StorageManager:
             sources.extend([self.local_cpu.tier] for _ in resident)
         if len(resident) >= len(keys):
             return resolved(resident)
-        holders: list[list[str]] = [[] for _ in keys[len(resident) :]]
+        holders: list[list[Tier]] = [[] for _ in keys[len(resident) :]]
         if sources is not None:
             sources.extend(holders)
         futures = [resolved(o) for o in resident] + [
