@@ -11,7 +11,8 @@ methods contain no mode branches. A path that can also move KV one layer per ste
   (chunk, layer), copies pipelined with the forward pass one layer per ``next()``.
 
 A path sees its engine only through a :class:`TransferContext` (token database,
-storage manager, stats, connector, log-once), so neither path imports the engine.
+storage manager, stats, connector, log-once, block reuse; built once, never changed), so
+neither path imports the engine.
 
 Thread: the caller's (the worker thread for copies; lookups may run on a scheduler
 thread). Ownership: a path owns every object it allocates or gets and releases it
