@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lmcache.v1.block_reuse import BlockReuse  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
-from lmcache.v1.request import KeyExtras  # noqa: E402
+from lmcache.v1.request import KeyExtras, TransferRequest  # noqa: E402
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
 from tests.vllm_utils import block_aligned_shared  # noqa: E402
 
@@ -79,11 +79,12 @@ def store_cost(num_tokens: int, block: int, reps: int) -> None:
         arr = np.asarray(rng.integers(0, 128000, n), dtype=np.int32)
         extras = KeyExtras.build(None, None, None)
         spans = on.token_database.spans_of(arr, 0, extras, True)
+        req = TransferRequest(arr, 0, extras)
         reg = []
         for _ in range(reps):
             fresh = BlockReuse(on.token_database, on.storage_manager, block)
             t0 = time.perf_counter()
-            fresh.register(arr, extras, spans, {s.end: s.key for s in spans})
+            fresh.register(req, spans)
             reg.append(time.perf_counter() - t0)
     finally:
         on.close()

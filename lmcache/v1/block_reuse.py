@@ -47,15 +47,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmcache.v1.keys import CacheEngineKey
-from lmcache.v1.request import KeyExtras
+from lmcache.v1.request import KeyExtras, TransferRequest, tokens_to_array
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheEngineMetadata
     from lmcache.v1.storage_backend.storage_manager import StorageManager
-    from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan
+    from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan, PrefixKeys
 
-__all__ = ["BlockHit", "BlockIndex", "BlockReuse", "DEFAULT_MAX_ENTRIES"]
+__all__ = ["BlockCandidates", "BlockHit", "BlockIndex", "BlockReuse", "DEFAULT_MAX_ENTRIES"]
 
 DEFAULT_MAX_ENTRIES = 1 << 18
 """Index entries kept at most (about 40 MB); the oldest registrations go first."""
@@ -67,6 +67,16 @@ class BlockHit:
 
     key: CacheEngineKey
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCandidates:
+    """Where a retrieve's block-granular part starts (token ``start``, a chunk boundary
+    when there are candidates) and the indexed entries holding a block-aligned prefix of
+    the chunk there, longest first."""
+
+    start: int
+    hits: list[BlockHit]
 
 
 class BlockIndex:
@@ -125,10 +135,20 @@ class BlockIndex:
 
 
 class BlockReuse:
-    """Block-granular reuse for one engine: tail lengths, registration and probes.
+    """Block-granular reuse for one engine: the one object the engine and the bulk path ask.
 
-    Mechanism only: the bulk transfer path decides when to call it. Built by
-    :meth:`create`, which returns None when the feature is off or has nothing to do.
+    Built by :meth:`create` (None when the feature is off or has nothing to do) and
+    handed to the transfer context once. It owns the block index and every block-prefix
+    hash (computed through the token database's key formula); callers pass requests and
+    chunk spans and get answers:
+
+    * :meth:`store_spans`: what a store writes (the trailing partial chunk cut to whole blocks);
+    * :meth:`register`: index the block prefixes of chunks a store or retrieve found cached;
+    * :meth:`lookup_tokens`: how many tokens of a lookup's first missing chunk are cached;
+    * :meth:`retrieve_candidates`: where a retrieve's block-granular part starts, and the
+      entries holding a prefix of it (longest first: :class:`BlockCandidates`).
+
+    Mechanism only: the bulk transfer path decides when to call it and moves the KV.
     """
 
     def __init__(
@@ -177,32 +197,64 @@ class BlockReuse:
             return num_tokens
         return num_tokens - (num_tokens % self.chunk_size) % self.block_size
 
-    def register(self, tokens: np.ndarray, extras: KeyExtras, spans: Sequence[ChunkSpan], prev_key: dict[int, CacheEngineKey]) -> None:
-        """Index the block prefixes of the cached ``spans`` (stored, found or loaded) that
-        the index does not know yet.
+    def store_spans(self, req: TransferRequest) -> list[ChunkSpan]:
+        """The spans a store of ``req`` (chunks named by tokens) writes: whole chunks, then
+        the trailing partial chunk at :meth:`store_length`."""
+        assert req.spans is None, "chunks named by hashes have no tokens to cut"
+        keep = self.store_length(req.num_tokens)
+        return self.token_database.spans_of(req.tokens[:keep], req.mask_start, req.extras, include_partial=True)
 
-        ``prev_key[start]`` is the key of the chunk ending at ``start`` when the caller
-        has it (otherwise the chain digest is recomputed from the tokens). A whole
-        chunk's prefixes stop one block short (its full length is its own key); a tail
-        entry's include its own length."""
+    def register(self, req: TransferRequest, spans: Sequence[ChunkSpan], chain: Sequence[ChunkSpan] | None = None) -> None:
+        """Index the block prefixes of ``spans`` of ``req`` (cached: stored, found or
+        loaded) that the index does not know yet. Requests whose chunks are named by
+        hashes are skipped (they have no tokens).
+
+        ``chain`` (default ``spans``): spans of the request whose keys give what each of
+        ``spans`` chains on (the key of the span ending where it starts); otherwise that
+        digest is recomputed from the tokens. A whole chunk's prefixes stop one block
+        short (its full length is its own key); a tail entry's include its own length."""
+        if req.spans is not None:
+            return
         b, c = self.block_size, self.chunk_size
+        prev_key = {s.end: s.key for s in (spans if chain is None else chain)}
         for span in spans:
             length = span.end - span.start
             last = length - b if length == c else length - length % b
             if last < b or self.index.knows(span.key):
                 continue
-            prev = self.prev_digest(tokens, extras, span.start // c, prev_key.get(span.start))
-            self.index.add(span.key, self.token_database.block_digests(tokens[span.start : span.start + last], prev, b), b)
+            hashes = self.token_database.block_prefix_hashes(
+                req.tokens, span.start, span.start + last, req.extras, b, prev_key.get(span.start)
+            )
+            self.index.add(span.key, hashes, b)
 
     # ------------------------------------------------------------------ probe side
-    def prefix_hashes(self, chunk_tokens: np.ndarray, prev: bytes) -> list[int]:
-        """Key hashes of the block-aligned prefixes of the first missing chunk's tokens
-        (``chunk_tokens``: at most one chunk; ``prev``: what that chunk chains on)."""
-        usable = min(len(chunk_tokens), self.chunk_size - 1)
-        usable -= usable % self.block_size
-        if usable <= 0 or not len(self.index):
-            return []
-        return self.token_database.block_digests(chunk_tokens[:usable], prev, self.block_size)
+    def lookup_tokens(self, pk: PrefixKeys, found: int, search_range: frozenset[str] | None = None) -> int:
+        """Cached tokens of chunk ``found`` of ``pk`` (the first whole chunk that missed) at
+        block granularity: the longest indexed block prefix whose entry is still cached
+        (in the tiers ``search_range`` names; None: all); 0 when none. The prefix hashes
+        are kept in ``pk.block_hashes`` for a repeated lookup of the same keys."""
+        if pk.tokens is None or pk.extras is None or not len(self.index):
+            return 0
+        hashes = pk.block_hashes.get(found)
+        if hashes is None:
+            start = found * pk.chunk_size
+            chunk = tokens_to_array(pk.tokens[start : start + pk.chunk_size])
+            hashes = self._probe_hashes(chunk, 0, pk.extras, pk.keys[found - 1] if found else None)
+            pk.block_hashes[found] = hashes
+        hit = self.best(hashes, search_range)
+        return hit.num_tokens if hit is not None else 0
+
+    def retrieve_candidates(self, req: TransferRequest, spans: Sequence[ChunkSpan], num_hit: int) -> BlockCandidates:
+        """The block-granular part of a retrieve of ``req`` whose first ``num_hit`` ``spans``
+        were retrieved: it starts where they end, and its candidates are the indexed entries
+        holding a block-aligned prefix of the chunk there, longest first (not checked
+        against the tiers: the caller reads them in order and takes the first it gets).
+        No candidates when that point is not a chunk boundary or is the request's end."""
+        start = spans[num_hit].start if num_hit < len(spans) else (spans[-1].end if spans else req.mask_start)
+        if start % self.chunk_size or start >= req.num_tokens:
+            return BlockCandidates(start, [])
+        prev = spans[num_hit - 1].key if num_hit else None
+        return BlockCandidates(start, self.index.candidates(self._probe_hashes(req.tokens, start, req.extras, prev)))
 
     def best(self, hashes: Sequence[int], search_range: frozenset[str] | None = None) -> BlockHit | None:
         """The longest indexed prefix whose entry is still cached (any tier, or one of the
@@ -212,8 +264,12 @@ class BlockReuse:
                 return hit
         return None
 
-    def prev_digest(self, tokens: np.ndarray, extras: KeyExtras, chunk_index: int, prev: CacheEngineKey | None) -> bytes:
-        """What chunk ``chunk_index`` chains on (``prev``: the key of the chunk before it, if known)."""
-        if prev is not None:
-            return prev.chunk_hash.to_bytes(16, "little")
-        return self.token_database.chain_digest(tokens, chunk_index, extras)
+    def _probe_hashes(self, tokens: np.ndarray, start: int, extras: KeyExtras, prev: CacheEngineKey | None) -> list[int]:
+        """Key hashes of the block-aligned prefixes of the chunk of ``tokens`` at ``start``
+        (at most ``chunk_size - 1`` tokens: a whole chunk is found by its own key); ``prev``:
+        the key of the chunk before it, if known. [] when the index is empty."""
+        usable = min(len(tokens) - start, self.chunk_size - 1)
+        usable -= usable % self.block_size
+        if usable <= 0 or not len(self.index):
+            return []
+        return self.token_database.block_prefix_hashes(tokens, start, start + usable, extras, self.block_size, prev)

@@ -111,7 +111,10 @@ class LMCacheEngine:
     input (unknown keyword arguments included) before touching any tier.
 
     The transfer path (:attr:`transfer`: bulk, or layerwise when ``use_layerwise``) is
-    chosen here, once; every store/retrieve/lookup goes through it.
+    chosen here, once (built again, of the same kind, over a new context when a connector
+    is attached); every store/retrieve/lookup goes through it. Block-granular reuse
+    (:class:`~lmcache.v1.block_reuse.BlockReuse`) is built here too and handed to the
+    context; a lookup asks it for the block-aligned part of the first missing chunk.
     """
 
     def __init__(
@@ -128,13 +131,12 @@ class LMCacheEngine:
         self.stats = CacheStats()
         self.token_database = ChunkedTokenDatabase(config, metadata)
         self.storage_manager = storage_manager or StorageManager(config, stats=self.stats)
-        self._ctx = TransferContext(
-            metadata, self.token_database, self.storage_manager, self.stats, LogOnce(logger), gpu_connector
+        blocks = BlockReuse.create(config, metadata, self.token_database, self.storage_manager)
+        self._use(
+            TransferContext(
+                metadata, self.token_database, self.storage_manager, self.stats, LogOnce(logger), gpu_connector, blocks
+            )
         )
-        self._ctx.blocks = BlockReuse.create(config, metadata, self.token_database, self.storage_manager)
-        self.transfer: TransferPath = make_transfer_path(config, self._ctx)
-        self._layer_path = self.transfer if isinstance(self.transfer, LayerwiseTransferPath) else None
-        """The transfer path when it can move KV layer by layer, else None."""
         self.latency = self._ctx.latency
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
         not timed: their generators span the model's forward pass)."""
@@ -149,7 +151,16 @@ class LMCacheEngine:
 
     @gpu_connector.setter
     def gpu_connector(self, connector: KVConnector | None) -> None:
-        self._ctx.connector = connector
+        self._use(dataclasses.replace(self._ctx, connector=connector))
+
+    def _use(self, ctx: TransferContext) -> None:
+        """Build the transfer path over ``ctx`` (at construction, and again when a
+        connector is attached: a context never changes once built)."""
+        path = make_transfer_path(self.config, ctx)
+        self._ctx = ctx
+        self.transfer: TransferPath = path
+        self._layer_path = path if isinstance(path, LayerwiseTransferPath) else None
+        """The transfer path when it can move KV layer by layer, else None."""
 
     def _make_hidden_state_store(self):
         if not self.config.enable_hidden_state_cache:
@@ -311,8 +322,9 @@ class LMCacheEngine:
         t0 = time.perf_counter()
         found = self._probe(pk.keys, pin, tiers, lookup_id)
         hit = pk.end(found)
-        if not pin and hit < pk.num_tokens and self._ctx.blocks is not None:
-            hit += self._block_extension(pk, found, tiers)
+        blocks = self._ctx.blocks
+        if not pin and hit < pk.num_tokens and blocks is not None:
+            hit += blocks.lookup_tokens(pk, found, tiers)
         self._count_lookup(pk.num_tokens, hit, t0)
         return hit
 
@@ -340,22 +352,6 @@ class LMCacheEngine:
         self.stats.add(lookup_requests=1, lookup_tokens=num_tokens, lookup_hit_tokens=hit)
         self.latency["lookup"].observe(time.perf_counter() - t0)
         logger.debug("lmcache lookup: %d of %d tokens cached", hit, num_tokens)
-
-    def _block_extension(self, pk: PrefixKeys, found: int, tiers: frozenset[str] | None = None) -> int:
-        """Cached tokens of chunk ``found`` (the first that missed) at block granularity."""
-        blocks = self._ctx.blocks
-        assert blocks is not None
-        if pk.tokens is None or pk.extras is None or not len(blocks.index):
-            return 0
-        hashes = pk.block_hashes.get(found)
-        if hashes is None:
-            start = found * pk.chunk_size
-            chunk = tokens_to_array(pk.tokens[start : start + pk.chunk_size])
-            prev = pk.keys[found - 1] if found else None
-            hashes = blocks.prefix_hashes(chunk, blocks.prev_digest(chunk, pk.extras, 0, prev))
-            pk.block_hashes[found] = hashes
-        hit = blocks.best(hashes, tiers)
-        return hit.num_tokens if hit is not None else 0
 
     def lookup_unpin(
         self, lookup_id: str | TokenInput | None = None, tokens: TokenInput | None = None, **kwargs: Any

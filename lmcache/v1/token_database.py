@@ -222,6 +222,20 @@ class ChunkedTokenDatabase:
         digests = got[1] if got is not None else self._digests_py(head, seed, False)
         return digests[-16:]
 
+    def block_prefix_hashes(
+        self, arr: np.ndarray, start: int, stop: int, extras: KeyExtras, block: int, prev: CacheEngineKey | None
+    ) -> list[int]:
+        """Key hashes of the block-aligned prefixes of ``arr[start:stop]`` (validated int32
+        ``arr``; ``start`` a chunk boundary, ``stop - start`` at most one chunk), as
+        :meth:`block_digests` gives them. ``prev``: the key of the chunk ending at ``start``
+        when the caller has it; otherwise what that chunk chains on is recomputed from
+        ``arr[:start]`` (:meth:`chain_digest`)."""
+        if prev is not None:
+            digest = prev.chunk_hash.to_bytes(16, "little")
+        else:
+            digest = self.chain_digest(arr, start // self.chunk_size, extras)
+        return self.block_digests(arr[start:stop], digest, block)
+
     @staticmethod
     def block_digests(arr: np.ndarray, prev: bytes, block: int) -> list[int]:
         """Key hashes of the block-aligned prefixes of one chunk's tokens ``arr``.

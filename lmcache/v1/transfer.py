@@ -11,7 +11,8 @@ methods contain no mode branches. A path that can also move KV one layer per ste
   (chunk, layer), copies pipelined with the forward pass one layer per ``next()``.
 
 A path sees its engine only through a :class:`TransferContext` (token database,
-storage manager, stats, connector, log-once), so neither path imports the engine.
+storage manager, stats, connector, log-once, block reuse; built once, never changed), so
+neither path imports the engine.
 
 Thread: the caller's (the worker thread for copies; lookups may run on a scheduler
 thread). Ownership: a path owns every object it allocates or gets and releases it
@@ -24,7 +25,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,35 +45,29 @@ from lmcache.v1.token_database import ChunkedTokenDatabase, ChunkSpan
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
 class TransferContext:
-    """What a transfer path needs from its engine (shared with the engine, mutable connector).
+    """What a transfer path needs from its engine, complete when built and never changed.
 
-    ``connector`` may be None until one is attached (``LMCacheEngineBuilder`` attaches
-    a connector to an engine built without one); :meth:`require_connector` raises then.
+    ``connector`` may be None (``LMCacheEngineBuilder`` attaches a connector to an
+    engine built without one: the engine then builds a new context and path with it);
+    :meth:`require_connector` raises then. ``blocks``: block-granular reuse, None when
+    off (see :mod:`lmcache.v1.block_reuse`). ``stats`` and ``latency`` are shared,
+    mutable counters.
     """
 
-    __slots__ = ("metadata", "token_database", "storage_manager", "stats", "log_once", "connector", "latency", "blocks")
-
-    def __init__(
-        self,
-        metadata: LMCacheEngineMetadata,
-        token_database: ChunkedTokenDatabase,
-        storage_manager: StorageManager,
-        stats: CacheStats,
-        log_once: LogOnce,
-        connector: KVConnector | None,
-    ) -> None:
-        self.metadata = metadata
-        self.token_database = token_database
-        self.storage_manager = storage_manager
-        self.stats = stats
-        self.log_once = log_once
-        self.connector = connector
-        self.latency = {op: LatencyHistogram() for op in ("store", "retrieve", "lookup")}
-        """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
-        not timed: their generators span the model's forward pass)."""
-        self.blocks: BlockReuse | None = None
-        """Block-granular reuse (set by the engine when on; see :mod:`lmcache.v1.block_reuse`)."""
+    metadata: LMCacheEngineMetadata
+    token_database: ChunkedTokenDatabase
+    storage_manager: StorageManager
+    stats: CacheStats
+    log_once: LogOnce
+    connector: KVConnector | None
+    blocks: BlockReuse | None
+    latency: dict[str, LatencyHistogram] = field(
+        default_factory=lambda: {op: LatencyHistogram() for op in ("store", "retrieve", "lookup")}
+    )
+    """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
+    not timed: their generators span the model's forward pass)."""
 
     def require_connector(self) -> KVConnector:
         if self.connector is None:
@@ -85,12 +80,11 @@ class TransferContext:
         return self.token_database.spans_of(req.tokens, req.mask_start, req.extras)
 
     def store_spans(self, req: TransferRequest) -> list[ChunkSpan]:
-        """Spans a store writes: with block reuse on, the trailing partial chunk cut to whole
-        blocks (not for chunks named by hashes: they have no tokens to cut)."""
+        """Spans a store writes: with block reuse on, what :meth:`BlockReuse.store_spans`
+        says (not for chunks named by hashes: they have no tokens to cut)."""
         if self.blocks is None or req.spans is not None:
             return self.spans(req)
-        keep = self.blocks.store_length(req.num_tokens)
-        return self.token_database.spans_of(req.tokens[:keep], req.mask_start, req.extras, include_partial=True)
+        return self.blocks.store_spans(req)
 
     def pool_full(self, skipped_chunks: int) -> None:
         """The pool had no room even after eviction: the rest of a store is skipped (counted, logged once)."""
@@ -272,10 +266,10 @@ class BulkTransfer(TransferPath):
                 sm.batched_put([s.key for s in todo], objs)
             finally:
                 release(objs)
-        if ctx.blocks is not None and req.spans is None:
+        if ctx.blocks is not None:
             # the cached prefix too: its entries may come from a restart's disk tier or
             # another server, and re-adding refreshes the index's order
-            ctx.blocks.register(req.tokens, req.extras, spans[:cached] + todo, {s.end: s.key for s in spans})
+            ctx.blocks.register(req, spans[:cached] + todo, chain=spans)
         if not objs:
             return 0
         stored = sum(s.end - s.start for s in todo)
@@ -344,8 +338,7 @@ class BulkTransfer(TransferPath):
         finally:
             release(hits)
         if loaded and ctx.blocks is not None:  # chunks written by a previous process or another server
-            whole = spans[:-1] if tail is not None else spans
-            ctx.blocks.register(req.tokens, req.extras, whole, {s.end: s.key for s in whole})
+            ctx.blocks.register(req, spans[:-1] if tail is not None else spans)
         # tokens of the chunks loaded from the cache (a token without a slot, e.g. one vLLM
         # already holds, is loaded but not written: counted here, False in the mask)
         ctx.stats.add(hit_tokens=loaded)
@@ -359,16 +352,10 @@ class BulkTransfer(TransferPath):
         those tokens (a copy of the entry's first tokens when the entry is longer); None
         when there is none or it cannot be read. The caller owns the returned object."""
         ctx = self.ctx
-        blocks = ctx.blocks
-        assert blocks is not None
-        chunk = blocks.chunk_size
-        start = spans[num_hit].start if num_hit < len(spans) else (spans[-1].end if spans else req.mask_start)
-        if start % chunk or start >= req.num_tokens:
-            return None
-        prev = spans[num_hit - 1].key if num_hit else None
-        hashes = blocks.prefix_hashes(req.tokens[start : start + chunk], blocks.prev_digest(req.tokens, req.extras, start // chunk, prev))
+        assert ctx.blocks is not None
+        probe = ctx.blocks.retrieve_candidates(req, spans, num_hit)
         sources: list[Tier] = []
-        for hit in blocks.index.candidates(hashes):  # longest first; a gone entry falls back
+        for hit in probe.hits:  # longest first; a gone entry falls back
             obj = ctx.storage_manager.batched_get([hit.key], sources=sources)[0]
             if obj is not None:
                 break
@@ -390,7 +377,7 @@ class BulkTransfer(TransferPath):
             if part is None:
                 return None
             obj = part
-        return _Tail(ChunkSpan(start, start + n, hit.key), obj, sources[0] if sources else Tier.UNKNOWN)
+        return _Tail(ChunkSpan(probe.start, probe.start + n, hit.key), obj, sources[0] if sources else Tier.UNKNOWN)
 
     def lookup(self, keys: Sequence[CacheEngineKey], pin: bool, search_range: frozenset[str] | None = None) -> LookupResult:
         return self.ctx.storage_manager.batched_lookup([keys], pin, search_range=search_range)

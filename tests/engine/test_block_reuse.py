@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from lmcache.v1.block_reuse import BlockIndex
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheEngineMetadata
-from lmcache.v1.request import KeyExtras
+from lmcache.v1.request import KeyExtras, TransferRequest
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, make_engine, random_kv_caches, random_slot_mapping
 from tests.engine.test_engine_roundtrip import assert_same_tokens, written_slots
 
@@ -201,6 +201,33 @@ def test_repeated_lookup_reuses_block_hashes():
     assert engine.lookup_prefix(pk) == CHUNK + BLOCK
     assert list(pk.block_hashes) == [1]
     assert engine.lookup_prefix(pk) == CHUNK + BLOCK
+    engine.close()
+
+
+def test_block_reuse_answers_from_requests_and_spans():
+    """The one entry point: what a store writes, what it indexes, and what a lookup and a
+    retrieve of a request sharing 1 chunk + 2 blocks find (the engine hashes nothing)."""
+    spec = KVSpec(layout="flash_attn", num_blocks=40, block_size=BLOCK)
+    engine = make_engine(spec, _cfg(), block_size=BLOCK)
+    blocks = engine.transfer.ctx.blocks
+    assert blocks is not None and not len(blocks.index)
+    extras = KeyExtras.build(None, None, None)
+    a = np.arange(100, 100 + 2 * CHUNK + BLOCK + 3, dtype=np.int32)
+    req_a = TransferRequest(a, 0, extras)
+    spans = blocks.store_spans(req_a)
+    assert [(s.start, s.end) for s in spans] == [(0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, 2 * CHUNK + BLOCK)]
+    assert spans == engine.token_database.spans_of(a[: 2 * CHUNK + BLOCK], 0, extras, include_partial=True)
+    blocks.register(req_a, spans)
+    assert len(blocks.index) == 2 * (CHUNK // BLOCK - 1) + 1  # whole chunks stop a block short; the tail counts
+    b = np.concatenate([a[: CHUNK + 2 * BLOCK], np.full(CHUNK, 7, dtype=np.int32)])
+    req_b = TransferRequest(b, 0, extras)
+    b_spans = engine.token_database.spans_of(b, 0, extras)
+    probe = blocks.retrieve_candidates(req_b, b_spans, 1)
+    assert probe.start == CHUNK
+    assert [(h.key, h.num_tokens) for h in probe.hits] == [(spans[1].key, 2 * BLOCK), (spans[1].key, BLOCK)]
+    assert blocks.retrieve_candidates(req_b, b_spans[:1], 1).start == CHUNK
+    pk = engine.prefix_keys(b.tolist())
+    assert blocks.lookup_tokens(pk, 1) == 0  # nothing is in the tiers: the index alone is no hit
     engine.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ import lmcache.utils
 from lmcache.errors import LMCacheError
 from lmcache.integration.vllm.lookup_service import ProtocolError
 from lmcache.v1 import keys
-from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.gpu_connector.factory import create_gpu_connector
 from lmcache.v1.gpu_connector.layerwise import VLLMBufferLayerwiseGPUConnector, VLLMPagedMemLayerwiseGPUConnector
@@ -19,7 +20,14 @@ from lmcache.v1.gpu_connector.protocol import KVConnector
 from lmcache.v1.layerwise import LayerwiseTransfer
 from lmcache.v1.private_files import UnsafePathError
 from lmcache.v1.registry import Registry
-from lmcache.v1.testing import KVSpec, make_engine, make_metadata, random_kv_caches, random_slot_mapping
+from lmcache.v1.testing import (
+    KVSpec,
+    make_connector,
+    make_engine,
+    make_metadata,
+    random_kv_caches,
+    random_slot_mapping,
+)
 from lmcache.v1.transfer import BulkTransfer
 
 CHUNK = 16
@@ -43,6 +51,30 @@ def test_the_engine_picks_its_transfer_path_once_from_the_config(layerwise, path
         out = [torch.zeros_like(t) for t in kv]
         assert bool(engine.retrieve(tokens, kvcaches=out, slot_mapping=slots).all())
         assert type(engine.transfer) is path  # unchanged by the calls
+    finally:
+        engine.close()
+
+
+def test_the_transfer_context_is_complete_when_built_and_a_connector_attaches_through_a_new_one():
+    """The context (block reuse included) never changes once built; attaching a connector
+    to an engine built without one gives a new context and path sharing the same parts."""
+    spec = KVSpec(num_layers=2, block_size=4)
+    cfg = config()
+    engine = LMCacheEngine(cfg, make_metadata(spec, CHUNK, "test-model", block_size=4), None)
+    try:
+        ctx = engine._ctx
+        assert ctx.blocks is not None and ctx.connector is None
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            ctx.connector = make_connector(spec, CHUNK, "cpu", layerwise=False)  # type: ignore[misc]
+        engine.gpu_connector = make_connector(spec, CHUNK, "cpu", layerwise=False)
+        new = engine._ctx
+        assert new is not ctx and new.connector is engine.gpu_connector and ctx.connector is None
+        assert new.blocks is ctx.blocks and new.latency is engine.latency and new.stats is engine.stats
+        assert type(engine.transfer) is BulkTransfer and engine.transfer.ctx is new
+        kv = random_kv_caches(spec)
+        tokens = list(range(2 * CHUNK + 6))
+        assert engine.store(tokens, kvcaches=kv, slot_mapping=random_slot_mapping(spec, len(tokens))) == 2 * CHUNK + 4
+        assert engine.lookup(tokens[: CHUNK + 8] + [1, 2]) == CHUNK + 8  # block reuse through the new context
     finally:
         engine.close()
 
