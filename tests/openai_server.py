@@ -52,6 +52,11 @@ class OpenAIServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 420.0) -> OpenAIServer:
+        """Launch the server and wait until it is healthy."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> OpenAIServer:
+        """Start the server process without waiting (several servers then start at once)."""
         env = dict(os.environ)
         env.update(
             {
@@ -77,6 +82,11 @@ class OpenAIServer:
         self.proc = subprocess.Popen(
             cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO_ROOT)
         )
+        return self
+
+    def wait_ready(self, timeout: float = 420.0) -> OpenAIServer:
+        """Wait until the launched server answers ``/health`` (raises with its log if it exits)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             rc = self.proc.poll()
