@@ -82,11 +82,11 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402 - after the sys.path set-up above
 import torch  # noqa: E402
 
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value  # noqa: E402
+from harness.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
 from lmcache.bench.limits import GB, memcpy_gbps  # noqa: E402
 from lmcache.v1.testing_redis import RedisServer  # noqa: E402
 from lmcache.v1.tiers import TIERS  # noqa: E402
-from tests.openai_server import DYNAMIC, OpenAIServer, metric_value  # noqa: E402
-from tests.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
 
 GiB = 1 << 30
 DEFAULT_PNG = REPO / "docs" / "img" / "bench_serving.png"
@@ -289,7 +289,7 @@ def make_server(setup: Setup, model_dir: Path, sizes: Sizes, workdir: Path, args
 
 
 class PlainServer(OpenAIServer):
-    """The tests' server helper without a KV connector.
+    """The harness's server (harness/openai_server.py) without a KV connector.
 
     The helper always passes ``--kv-transfer-config``, and vLLM 0.32 refuses one without
     a connector name (``Connector name is not set in KVTransferConfig``); this drops the
