@@ -30,13 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from harness.vllm_utils import block_aligned_shared  # noqa: E402
+from lmcache.bench.limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402
 from lmcache.v1.block_reuse import BlockReuse  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.request import KeyExtras, TransferRequest  # noqa: E402
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping  # noqa: E402
-from tests.vllm_utils import block_aligned_shared  # noqa: E402
-
-from limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 CHUNK = 256
 

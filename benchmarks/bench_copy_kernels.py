@@ -28,11 +28,10 @@ import time
 import numpy as np
 import torch
 
+from lmcache.bench.limits import GB, LLAMA3_8B
 from lmcache.v1.gpu_connector import native
 from lmcache.v1.gpu_connector.layouts import get_layout
 from lmcache.v1.testing import KVSpec, random_slot_mapping
-
-from limits import GB, LLAMA3_8B  # benchmarks/ is on sys.path when run as a script
 
 
 def load(entry: str) -> native.NativeKernels:

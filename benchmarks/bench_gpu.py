@@ -47,11 +47,9 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # limits.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's lmcache first
 
-from limits import GB, LLAMA3_8B, torch_copy_seconds  # noqa: E402
-
+from lmcache.bench.limits import GB, LLAMA3_8B, torch_copy_seconds  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.ec_engine import ECCacheEngine  # noqa: E402
 from lmcache.v1.gpu_connector import copy_ops, native  # noqa: E402

@@ -31,11 +31,10 @@ import time
 
 import torch
 
+from lmcache.bench.limits import GB, LLAMA3_8B, memcpy_gbps
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector import copy_ops
 from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches, random_slot_mapping
-
-from limits import GB, LLAMA3_8B, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 FIRST_LIMIT = 1.15
 TOTAL_LIMIT = 1.05

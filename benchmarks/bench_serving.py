@@ -67,8 +67,6 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -84,10 +82,11 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402 - after the sys.path set-up above
 import torch  # noqa: E402
 
-from limits import GB, memcpy_gbps  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value  # noqa: E402
+from harness.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
+from lmcache.bench.limits import GB, memcpy_gbps  # noqa: E402
+from lmcache.v1.testing_redis import RedisServer  # noqa: E402
 from lmcache.v1.tiers import TIERS  # noqa: E402
-from tests.openai_server import DYNAMIC, OpenAIServer, free_port, metric_value  # noqa: E402
-from tests.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
 
 GiB = 1 << 30
 DEFAULT_PNG = REPO / "docs" / "img" / "bench_serving.png"
@@ -105,7 +104,6 @@ QUESTIONS = (
 )
 WARM_UP = "What is the capital of France?"
 GOAL_SPEEDUP = 5.0
-REDIS_START_TIMEOUT_S = 20.0
 
 
 # ------------------------------------------------------------------------------ set-ups
@@ -255,57 +253,6 @@ def final_prompt_estimate(tokenizer: Any, context: str, rounds: int, max_tokens:
     return chat_tokens(tokenizer, messages)
 
 
-# ------------------------------------------------------------------------------ redis
-@dataclass
-class RedisProc:
-    """A ``redis-server`` on 127.0.0.1 with persistence off, stopped by pid."""
-
-    workdir: Path
-    port: int = 0
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self) -> RedisProc:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (scripts/setup_venv.sh installs it with apt)")
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"), "--daemonize", "no"]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if self._pong():
-                return self
-            time.sleep(0.05)  # polling the server's readiness
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}; see {self.workdir / 'redis.log'}")
-
-    def _pong(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
 # ------------------------------------------------------------------------------ servers
 def lmcache_yaml(setup: Setup, sizes: Sizes, workdir: Path, chunk: int, redis_url: str | None) -> str:
     cpu = sizes.big_cpu_gib if setup.cpu_tier == "big" else sizes.small_cpu_gib
@@ -342,7 +289,7 @@ def make_server(setup: Setup, model_dir: Path, sizes: Sizes, workdir: Path, args
 
 
 class PlainServer(OpenAIServer):
-    """The tests' server helper without a KV connector.
+    """The harness's server (harness/openai_server.py) without a KV connector.
 
     The helper always passes ``--kv-transfer-config``, and vLLM 0.32 refuses one without
     a connector name (``Connector name is not set in KVTransferConfig``); this drops the
@@ -469,7 +416,9 @@ def lmcache_times(lm: dict[str, float]) -> str:
 def run_setup(setup: Setup, model_dir: Path, sizes: Sizes, contexts: list[str], args: argparse.Namespace,
               root: Path) -> RunResult:  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix=f"{setup.name}-", dir=root))
-    redis = RedisProc(workdir / "redis").start() if setup.redis else None
+    if setup.redis:
+        (workdir / "redis").mkdir(parents=True, exist_ok=True)
+    redis = RedisServer(workdir=workdir / "redis").start() if setup.redis else None
     server = make_server(setup, model_dir, sizes, workdir, args, redis.url if redis else None)
     result = RunResult(setup.name)
     t0 = time.perf_counter()

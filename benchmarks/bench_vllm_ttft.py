@@ -46,7 +46,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import numpy as np  # noqa: E402 - after the sys.path and OMP_NUM_THREADS set-up above
 import torch  # noqa: E402
 
-from tests.vllm_utils import (  # noqa: E402
+from harness.vllm_utils import (  # noqa: E402
     TinyModelSpec,
     VLLMRun,
     build_tiny_llama,

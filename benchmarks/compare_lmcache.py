@@ -64,8 +64,21 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from limits import LLAMA3_8B  # benchmarks/ is on sys.path when run as a script (both sides)
 
+def _load_limits() -> Any:
+    """lmcache/bench/limits.py, loaded by path: on the LMCache side ``lmcache`` is LMCache's package."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "lmcache" / "bench" / "limits.py"
+    spec = importlib.util.spec_from_file_location("_lmcache_bench_limits", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+LLAMA3_8B = _load_limits().LLAMA3_8B
 DEFAULT_VENV = Path.home() / ".cache" / "lmcache-compare" / "venv"
 LMCACHE_VERSION = "0.5.6"
 LAYERS, HEADS, HEAD = LLAMA3_8B.num_layers, LLAMA3_8B.num_heads, LLAMA3_8B.head_size

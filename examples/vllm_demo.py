@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tests.real_model import GET_MODEL, REAL_MODEL_DIR, apache_license_text  # noqa: E402 - after the env defaults
+from harness.real_model import GET_MODEL, REAL_MODEL_DIR, apache_license_text  # noqa: E402 - after the env defaults
 
 WARM_UP = "What is the capital of France?"
 QUESTION = "Which organization published this license?"

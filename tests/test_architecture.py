@@ -1,6 +1,6 @@
 """The architecture rules that a reader cannot see in one file, checked on every `make test`.
 
-* ruff finds nothing in ``lmcache``, ``tests`` and ``benchmarks`` (rules in pyproject.toml,
+* ruff finds nothing in ``lmcache``, ``tests``, ``benchmarks`` and ``harness`` (rules in pyproject.toml,
   the logging rules included);
 * the import graph of ``lmcache/`` (module-level and function-level imports; imports
   under ``if TYPE_CHECKING:`` are not executed and do not count) has no cycle, between
@@ -243,7 +243,7 @@ def test_ruff_finds_nothing():
     if shutil.which("ruff") is None and subprocess.run([sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode:
         pytest.fail("ruff is not installed: it is part of the test extra (pip install -e '.[test]')")
     proc = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "lmcache", "tests", "benchmarks"],
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "lmcache", "tests", "benchmarks", "harness"],
         cwd=ROOT,
         capture_output=True,
         text=True,

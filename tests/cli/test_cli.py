@@ -201,3 +201,54 @@ def test_bench_cpu_runs_the_benchmark_table():
 def test_bench_without_benchmarks_exits_2(capsys, tmp_path):
     rc, _, err = run(capsys, "bench", "--benchmarks-dir", str(tmp_path), "cpu")
     assert rc == 2 and "benchmarks not found" in err
+
+
+def _installed_copy(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The ``lmcache`` package alone (no benchmarks/, tests/ or csrc/ beside it), as pip installs
+    it, first on PYTHONPATH; and an empty working directory. Returns (env, cwd)."""
+    import shutil
+
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "lmcache", site / "lmcache", ignore=shutil.ignore_patterns("__pycache__"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return dict(os.environ, PYTHONPATH=str(site)), cwd
+
+
+@pytest.mark.slow
+def test_bench_cpu_runs_from_an_installed_package(tmp_path):
+    env, cwd = _installed_copy(tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "lmcache", "bench", "cpu", "--", "--tokens", "256", "--reps", "1", "--layouts",
+         "flash_attn", "--block-sizes", "16", "--copies-only"],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "st/mc" in res.stdout and "flash_attn" in res.stdout
+    assert "lmcache bench cpu [1/1]: lmcache.bench.cpu_tier" in res.stderr
+
+
+@pytest.mark.slow
+def test_bench_remote_runs_from_an_installed_package(tmp_path):
+    import shutil
+
+    pytest.importorskip("redis")
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    env, cwd = _installed_copy(tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "lmcache", "bench", "remote", "--", "--sizes-mib", "1", "--total-mib", "8", "--reps", "1"],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "tier/raw" in res.stdout and "1MiB | put" in res.stdout and "1MiB | get" in res.stdout
+
+
+def test_bench_remote_says_what_it_needs(capsys, monkeypatch):
+    pytest.importorskip("redis")
+    from lmcache.cli import bench_cmd
+
+    monkeypatch.setattr(bench_cmd.shutil, "which", lambda name: None)
+    rc, _, err = run(capsys, "bench", "remote")
+    assert rc == 2 and "needs redis-server on PATH" in err and "--url" in err
+    assert bench_cmd.missing_requirement("remote", ["--url", "redis://127.0.0.1:1"]) is None  # no local binary needed

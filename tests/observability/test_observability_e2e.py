@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from tests.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
-from tests.vllm_utils import REPO_ROOT, vllm_available
+from harness.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
+from harness.vllm_utils import REPO_ROOT, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -30,9 +30,9 @@ from typing import Any
 
 import pytest
 
-from tests.openai_server import DYNAMIC, OpenAIServer, metric_value
-from tests.real_model import RealModelUnavailable, apache_license_text, real_model_dir
-from tests.vllm_utils import vllm_available
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
+from harness.real_model import RealModelUnavailable, apache_license_text, real_model_dir
+from harness.vllm_utils import vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -41,7 +41,7 @@ pytestmark = [
 ]
 
 CHUNK = 256
-BLOCK = 32  # the server's --block-size (tests/openai_server.py)
+BLOCK = 32  # the server's --block-size (harness/openai_server.py)
 MAX_TOKENS = 24
 QUESTION = "Which organization published this license?"
 FOLLOW_UP = "Does this license grant a patent license?"

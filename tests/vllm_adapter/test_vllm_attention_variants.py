@@ -33,7 +33,7 @@ import random
 
 import pytest
 
-from tests.vllm_utils import TinyModelSpec, VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path, vllm_available
+from harness.vllm_utils import TinyModelSpec, VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tests.vllm_utils import VLLMRun, reuse_report, run_vllm, shared_prefix_prompts, vllm_available
+from harness.vllm_utils import VLLMRun, reuse_report, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

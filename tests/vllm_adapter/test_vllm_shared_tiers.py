@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
+from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,

