@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.openai_server import DYNAMIC, OpenAIServer, metric_value
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
 from tests.redis_fixtures import RedisServer
 
 pytestmark = pytest.mark.vllm
