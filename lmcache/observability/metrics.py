@@ -187,6 +187,33 @@ METRICS: tuple[MetricDef, ...] = (
         "ec_misses",
     ),
     _c("lmcache_encoder_cache_stores", "Encoder outputs stored in the encoder cache.", "ec_puts"),
+    _c(
+        "lmcache_pd_sent_requests",
+        "Disaggregated prefills answered with the decoder leg's parameters (prefiller).",
+        "scheduler_pd_sent_requests",
+    ),
+    _c(
+        "lmcache_pd_received_requests",
+        "Disaggregated decodes that looked for a prefiller's KV (decoder).",
+        "scheduler_pd_received_requests",
+    ),
+    _c(
+        "lmcache_pd_waits",
+        "Scheduler lookups answered 'ask again later' while a decoder waited for announced KV.",
+        "scheduler_pd_waits",
+    ),
+    _c(
+        "lmcache_pd_fallbacks",
+        "Disaggregated decodes that computed (part of) the prompt themselves: the KV did not arrive within "
+        "pd_wait_timeout.",
+        "scheduler_pd_fallbacks",
+    ),
+    _c(
+        "lmcache_pd_fingerprint_mismatches",
+        "Disaggregated decodes whose prefiller has another model namespace, world size, dtype, chunk size or "
+        "entry format (computed here; the log line names the field).",
+        "scheduler_pd_fingerprint_mismatches",
+    ),
     _c("lmcache_hidden_state_requests", "Hidden-state retrieve requests.", "hidden_retrieve_requests"),
     _c("lmcache_hidden_state_hit_tokens", "Tokens whose hidden states were returned.", "hidden_hit_tokens"),
     _c(

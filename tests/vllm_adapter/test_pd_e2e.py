@@ -150,6 +150,11 @@ def test_both_legs_give_the_single_server_answer_and_the_decoder_computes_one_to
     loaded = by_source(after, "external_kv_transfer") - by_source(before, "external_kv_transfer")
     assert loaded == sum(prompt_tokens) - len(CASES)
     assert "lmcache PD" not in decoder.log()  # no fallback, no mismatch
+    received = metric_value(after, "lmcache_pd_received_requests_total") - metric_value(
+        before, "lmcache_pd_received_requests_total"
+    )
+    assert received == len(CASES) and metric_value(after, "lmcache_pd_fallbacks_total") == 0
+    assert metric_value(prefiller.metrics(), "lmcache_pd_sent_requests_total") >= len(CASES)
 
 
 def test_eight_requests_at_once(pd):
@@ -173,4 +178,5 @@ def test_redis_down_falls_back_to_computing_within_the_deadline(pd):
     assert got == want
     assert took < WAIT + 60  # bounded by pd_wait_timeout (plus compute), never a hang
     assert "pd_wait_timeout=3.0" in decoder.log()
+    assert metric_value(decoder.metrics(), "lmcache_pd_fallbacks_total") == 1
 

@@ -129,6 +129,8 @@ class LMCacheConnectorV1Impl:
         if self.is_scheduler:
             _use_recompute_policy(vllm_config)
             self.scheduler = SchedulerConnector(self.settings)
+            if getattr(parent, "forwards_connector_stats", False):  # PD counters live on this side
+                self.stats_delta = StatsDelta(self.scheduler.snapshot)
         else:
             self.rank = _tp_rank(vllm_config, self.settings.world_size)
             self.engine = create_engine(self.settings, self.rank)
@@ -282,7 +284,8 @@ class LMCacheConnectorV1Impl:
         return None, None
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
-        """This worker's metrics payload since the last call (route a), or None."""
+        """This worker's metrics payload since the last call (route a), or None; on the
+        scheduler role, its counters (disaggregated prefill), which vLLM merges with the workers'."""
         if self.stats_delta is None:
             return None
         try:
