@@ -40,7 +40,8 @@ def free_port() -> int:
 @dataclass
 class OpenAIServer:
     model: str
-    kv_transfer_config: dict[str, Any]
+    kv_transfer_config: dict[str, Any] | None
+    """None: a plain vLLM server, no KV connector."""
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
@@ -75,7 +76,7 @@ class OpenAIServer:
             "--max-model-len", "1024", "--block-size", "32", "--max-num-batched-tokens", "256",
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--kv-transfer-config", json.dumps(self.kv_transfer_config),
+            *(["--kv-transfer-config", json.dumps(self.kv_transfer_config)] if self.kv_transfer_config else []),
             *self.extra_args,
         ]  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
