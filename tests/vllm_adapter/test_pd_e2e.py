@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,20 +98,18 @@ def disaggregated(prefiller: OpenAIServer, decoder: OpenAIServer, path: str, bod
     return single(decoder, path, dict(body, kv_transfer_params=params))
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_llama_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pd")
-    redis = RedisServer().start()
+def start_pd_servers(model: Path, tmp: Path, redis_url: str, roles: dict[str, str]) -> list[OpenAIServer]:
+    """One vLLM server per ``{name: kv_role}`` with ``enable_pd`` on ``redis_url``, started at once."""
     servers = []
     try:
-        for name, role in (("prefiller", "kv_producer"), ("decoder", "kv_consumer")):
+        for name, role in roles.items():
             cfg = tmp / f"{name}.yaml"
             cfg.write_text(
-                f"chunk_size: 256\nmax_local_cpu_size: 0.25\nremote_url: {redis.url}\nenable_pd: true\n"
+                f"chunk_size: 256\nmax_local_cpu_size: 0.25\nremote_url: {redis_url}\nenable_pd: true\n"
                 f"pd_wait_timeout: {WAIT}\nlog_summary_interval: 0\n"
             )
             server = OpenAIServer(
-                str(tiny_llama_dir),
+                str(model),
                 dict(DYNAMIC, kv_role=role),
                 tmp / f"{name}.log",
                 env={"LMCACHE_CONFIG_FILE": str(cfg), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
@@ -119,10 +118,25 @@ def pd(tiny_llama_dir, tmp_path_factory):
             servers.append(server.launch())
         for server in servers:
             server.wait_ready()
-        yield redis, servers[0], servers[1]
-    finally:
+    except BaseException:
         for server in servers:
             server.stop()
+        raise
+    return servers
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    redis = RedisServer().start()
+    try:
+        servers = start_pd_servers(tiny_llama_dir, tmp, redis.url, {"prefiller": "kv_producer", "decoder": "kv_consumer"})
+        try:
+            yield redis, servers[0], servers[1]
+        finally:
+            for server in servers:
+                server.stop()
+    finally:
         redis.stop()
 
 
@@ -154,7 +168,9 @@ def test_both_legs_give_the_single_server_answer_and_the_decoder_computes_one_to
         before, "lmcache_pd_received_requests_total"
     )
     assert received == len(CASES) and metric_value(after, "lmcache_pd_fallbacks_total") == 0
-    assert metric_value(prefiller.metrics(), "lmcache_pd_sent_requests_total") >= len(CASES)
+    sent = prefiller.metrics()
+    assert metric_value(sent, "lmcache_pd_sent_requests_total") >= len(CASES)
+    assert metric_value(sent, "lmcache_dropped_writes_total") == 0  # every write reached Redis
 
 
 def test_eight_requests_at_once(pd):
@@ -165,6 +181,19 @@ def test_eight_requests_at_once(pd):
         got = list(pool.map(lambda c: disaggregated(prefiller, decoder, *c), cases))
     assert got == want
     assert "lmcache PD" not in decoder.log()
+
+
+def test_a_prefiller_of_another_model_namespace_is_named_in_the_log(pd):
+    """(Its chunk keys differ, so nothing of it could be found; the decoder does not wait.)"""
+    _, prefiller, decoder = pd
+    path, body = request_body("completions", 80, 777, False)
+    want = single(prefiller, path, body)
+    leg = dict(body, max_tokens=1, kv_transfer_params=dict(SEND))
+    params = post(prefiller.url, path, leg)["kv_transfer_params"]
+    params["lmcache"]["namespace"] = "another-model"  # what a prefiller serving other weights announces
+    assert single(decoder, path, dict(body, kv_transfer_params=params)) == want  # no wait, a normal request
+    assert "namespace: prefiller 'another-model' != decoder" in decoder.log()
+    assert metric_value(decoder.metrics(), "lmcache_pd_fingerprint_mismatches_total") == 1
 
 
 def test_redis_down_falls_back_to_computing_within_the_deadline(pd):
