@@ -1,7 +1,8 @@
 """The ``lmcache`` command line (console script ``lmcache`` and ``python -m lmcache``).
 
 Commands: ``config check``, ``disk inspect``, ``disk verify``, ``remote ping``,
-``stats``, ``bench``; ``--help`` on each. Exit codes: 0 success, 1 a problem was
+``stats``, ``bench``, ``proxy`` (the disaggregated prefill/decode router, a server
+that runs until interrupted); ``--help`` on each. Exit codes: 0 success, 1 a problem was
 found (corrupt entries, unreachable server, no worker answering), 2 bad usage or an
 invalid configuration (the message names the file or variable, key, value and
 expectation). See docs/observability.md.
@@ -17,12 +18,12 @@ from lmcache import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache.cli import bench_cmd, config_cmd, disk_cmd, remote_cmd, stats_cmd
+    from lmcache.cli import bench_cmd, config_cmd, disk_cmd, proxy_cmd, remote_cmd, stats_cmd
 
     parser = argparse.ArgumentParser(
         prog="lmcache",
         description="lmcache operations: validate configs, inspect and verify disk caches, check remote "
-        "servers, read a running server's counters, run the benchmarks.",
+        "servers, read a running server's counters, run the benchmarks, route disaggregated prefill/decode.",
     )
     parser.add_argument("--version", action="version", version=f"lmcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote_cmd.add_parser(sub)
     stats_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    proxy_cmd.add_parser(sub)
     return parser
 
 
