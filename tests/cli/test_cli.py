@@ -55,7 +55,8 @@ def test_python_dash_m_and_help_on_every_command():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     top = subprocess.run([sys.executable, "-m", "lmcache", "--help"], capture_output=True, text=True, env=env)
     assert top.returncode == 0 and "config" in top.stdout and "bench" in top.stdout
-    for cmd in (["config", "check"], ["disk", "inspect"], ["disk", "verify"], ["remote", "ping"], ["stats"], ["bench"]):
+    for cmd in (["config", "check"], ["disk", "inspect"], ["disk", "verify"], ["remote", "ping"], ["stats"], ["bench"],
+                ["proxy"]):
         res = subprocess.run([sys.executable, "-m", "lmcache", *cmd, "--help"], capture_output=True, text=True, env=env)
         assert res.returncode == 0 and "usage: lmcache" in res.stdout, cmd
     bad = subprocess.run([sys.executable, "-m", "lmcache", "nope"], capture_output=True, text=True, env=env)

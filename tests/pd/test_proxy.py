@@ -7,11 +7,15 @@ servers that record what they are sent, and the proxy itself; the client is http
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,6 +29,7 @@ from lmcache.cli import main
 from lmcache.pd.proxy import PREFILL_PARAMS, Proxy, ProxyConfig
 from lmcache.pd.sse import SSEFilter, strip_json_body
 
+REPO = Path(__file__).resolve().parents[2]
 DEADLINE = 10.0
 PARAMS = {"do_remote_prefill": True, "remote_num_tokens": 7, "lmcache": {"fingerprint": "abc"}}
 
@@ -343,6 +348,49 @@ def test_models_is_forwarded_to_a_decoder(fakes, make_proxy):
     resp = client.get("/v1/models")
     assert resp.status_code == 200 and resp.json()["data"][0] == {"id": "tiny", "owned_by": "d1"}
     assert metric(client, 'lmcache_proxy_requests_total{endpoint="models",outcome="ok"}') == 1
+
+
+def test_client_leaving_mid_stream(fakes, make_proxy):
+    """A client that leaves mid-stream: the proxy stops waiting for the decoder at once."""
+    d1 = fakes["d1"]
+    d1.gate = threading.Event()
+    _, client = make_proxy([fakes["p1"].url], [d1.url])
+    key = 'lmcache_proxy_requests_total{endpoint="completions",outcome="disconnected"}'
+    try:
+        with client.stream("POST", "/v1/completions", json={**REQUESTS["completions"][1], "stream": True}) as resp:
+            assert next(resp.iter_raw()).startswith(b"data: ")
+        wait_for(lambda: key in client.get("/metrics").text, "the disconnect counted")
+    finally:
+        d1.gate.set()
+    assert metric(client, key) == 1
+
+
+def test_cli_serves(tmp_path):
+    """``python -m lmcache proxy`` starts, checks its servers and answers /health (503: none is up)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    log = (tmp_path / "proxy.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache", "proxy", "--prefill", closed_url(), "--decode", closed_url(),
+         "--port", str(port), "--health-interval", "0.5"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        def answered() -> bool:
+            assert proc.poll() is None, "the proxy exited"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503
+            except httpx.TransportError:
+                return False
+
+        wait_for(answered, "the proxy's /health", deadline=60)
+    finally:
+        proc.terminate()
+        proc.wait(DEADLINE)
+    log.seek(0)
+    assert "lmcache proxy: prefill http://127.0.0.1:" in log.read()
 
 
 # ------------------------------------------------------------------ stripping
