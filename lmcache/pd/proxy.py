@@ -44,6 +44,7 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from lmcache.log_once import LogOnce
 from lmcache.pd.metrics import ProxyMetrics
@@ -144,27 +145,23 @@ class Proxy:
     """The router: two :class:`InstancePool`, one ``httpx.AsyncClient``, :class:`ProxyMetrics`.
 
     :meth:`app` builds the FastAPI app; its lifespan runs :meth:`start` (one health check
-    of every instance, then the periodic check) and :meth:`stop`. ``transport`` replaces
-    httpx's network transport (tests).
+    of every instance, then the periodic check) and :meth:`stop`.
     """
 
-    def __init__(self, config: ProxyConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.prefill = InstancePool("prefill", list(config.prefill_urls))
         self.decode = InstancePool("decode", list(config.decode_urls))
         self.metrics = ProxyMetrics()
         self._log_once = LogOnce(logger)
-        self._transport = transport
         self._client: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        t = self.config.timeout
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(t),
+            timeout=httpx.Timeout(self.config.timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            transport=self._transport,
             trust_env=False,
         )
         await self.check_health()
@@ -247,7 +244,7 @@ class Proxy:
         for pool in (self.prefill, self.decode):
             for inst in pool.instances:
                 self.metrics.instance_up.labels(pool.role, inst.url).set(1 if inst.up else 0)
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def handle_models(self, request: Request) -> Response:
         start = time.perf_counter()
@@ -369,12 +366,7 @@ class Proxy:
             content = await _read_closing(resp)
             raise _Failed(resp.status_code, f"answered {resp.status_code}", _plain(resp, content))
         if not (stream and resp.status_code == 200):
-            try:
-                await resp.aread()
-            except httpx.HTTPError as exc:
-                raise _failure(exc) from exc
-            finally:
-                await resp.aclose()
+            await _read(resp)
             return _Upstream(inst, resp)
         it = resp.aiter_bytes()
         try:
@@ -388,9 +380,10 @@ class Proxy:
         """GET ``path`` of ``inst``, the body read. Raises :class:`_Failed` on a failure worth a retry."""
         client = self._require_client()
         resp = await _send(client, client.build_request("GET", inst.url + path, headers=headers))
-        content = await _read_closing(resp)
         if resp.status_code >= 500:
+            content = await _read_closing(resp)
             raise _Failed(resp.status_code, f"answered {resp.status_code}", _plain(resp, content))
+        await _read(resp)
         return _Upstream(inst, resp)
 
     def _stream(self, up: _Upstream, ep: _Endpoint, start: float, request_id: str) -> StreamingResponse:
@@ -453,6 +446,16 @@ def _failure(exc: httpx.HTTPError) -> _Failed:
 def _plain(resp: httpx.Response, content: bytes) -> Response:
     """``content`` with ``resp``'s status and content type."""
     return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+
+async def _read(resp: httpx.Response) -> None:
+    """Read ``resp``'s whole body (``resp.content``) and close it; :class:`_Failed` if it broke off."""
+    try:
+        await resp.aread()
+    except httpx.HTTPError as exc:
+        raise _failure(exc) from exc
+    finally:
+        await resp.aclose()
 
 
 async def _read_closing(resp: httpx.Response) -> bytes:

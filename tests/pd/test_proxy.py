@@ -31,6 +31,7 @@ from lmcache.pd.sse import SSEFilter, strip_json_body
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE = 10.0
+AUTH = {"Authorization": "Bearer test-key"}
 PARAMS = {"do_remote_prefill": True, "remote_num_tokens": 7, "lmcache": {"fingerprint": "abc"}}
 
 
@@ -86,7 +87,7 @@ class Fake:
     """A fake vLLM OpenAI server; ``mode`` chooses how it answers completion requests."""
 
     name: str
-    mode: str = "ok"  # ok | 500 | no_params
+    mode: str = "ok"  # ok | 500 | no_params | hang (until gate is set)
     healthy: bool = True
     calls: list[dict[str, Any]] = field(default_factory=list)
     gate: threading.Event | None = None  # a stream waits for it after its first event
@@ -126,6 +127,8 @@ class Fake:
         async def generate(request: Request, chat: bool) -> Response:
             body = await request.json()
             self.calls.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
+            if self.mode == "hang":
+                assert self.gate is not None and await anyio.to_thread.run_sync(self.gate.wait, DEADLINE)
             if self.mode == "500":
                 return JSONResponse({"error": {"message": f"{self.name} broke", "code": 500}}, status_code=500)
             if body.get("stream"):
@@ -176,8 +179,10 @@ def make_proxy() -> Iterator[Any]:
     started: list[Served] = []
     clients: list[httpx.Client] = []
 
-    def make(prefill: list[str], decode: list[str], health_interval: float = 3600.0) -> tuple[Proxy, httpx.Client]:
-        proxy = Proxy(ProxyConfig(tuple(prefill), tuple(decode), health_interval=health_interval, timeout=10.0))
+    def make(
+        prefill: list[str], decode: list[str], health_interval: float = 3600.0, timeout: float = DEADLINE
+    ) -> tuple[Proxy, httpx.Client]:
+        proxy = Proxy(ProxyConfig(tuple(prefill), tuple(decode), health_interval=health_interval, timeout=timeout))
         served = Served(proxy.app())
         started.append(served)
         clients.append(httpx.Client(base_url=served.url, timeout=DEADLINE))
@@ -215,7 +220,7 @@ def test_prefill_then_decode(fakes, make_proxy, kind, stream):
     _, client = make_proxy([p1.url], [d1.url])
     if stream:
         d1.gate = threading.Event()
-        with client.stream("POST", path, json=body) as resp:
+        with client.stream("POST", path, json=body, headers=AUTH) as resp:
             assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
             chunks = resp.iter_raw()
             got = b""
@@ -229,7 +234,7 @@ def test_prefill_then_decode(fakes, make_proxy, kind, stream):
         assert b'"content":"hi "' in got or b'"text":"hi "' in got
         request_id = resp.headers["x-request-id"]
     else:
-        resp = client.post(path, json=body)
+        resp = client.post(path, json=body, headers=AUTH)
         assert resp.status_code == 200
         expected = d1.completion(kind == "chat")
         del expected["kv_transfer_params"]
@@ -244,11 +249,11 @@ def test_prefill_then_decode(fakes, make_proxy, kind, stream):
         assert pb["max_completion_tokens"] == 1 and pb["messages"] == body["messages"]
     else:
         assert pb["prompt"] == body["prompt"] and pb["n"] == 1
-    assert pcall["headers"]["x-request-id"] == request_id
+    assert pcall["headers"]["x-request-id"] == request_id and pcall["headers"]["authorization"] == AUTH["Authorization"]
     # decode leg: the client's body, the prefiller's params
     (dcall,) = d1.calls
     assert dcall["body"] == {**body, "kv_transfer_params": PARAMS}
-    assert dcall["headers"]["x-request-id"] == request_id
+    assert dcall["headers"]["x-request-id"] == request_id and dcall["headers"]["authorization"] == AUTH["Authorization"]
     outcome = f'lmcache_proxy_requests_total{{endpoint="{"chat_completions" if kind == "chat" else "completions"}",outcome="ok"}}'
     assert metric(client, outcome) == 1
     assert metric(client, "lmcache_proxy_prefill_seconds_count") == 1
@@ -290,6 +295,19 @@ def test_prefill_connection_error(fakes, make_proxy):
     assert proxy.prefill.down_urls() == [p1.url]
 
 
+def test_prefill_timeout(fakes, make_proxy):
+    p1, d1 = fakes["p1"], fakes["d1"]
+    p1.mode, p1.gate = "hang", threading.Event()
+    proxy, client = make_proxy([p1.url], [d1.url], timeout=0.5)
+    try:
+        resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
+    finally:
+        p1.gate.set()
+    assert resp.status_code == 200 and "kv_transfer_params" not in d1.calls[0]["body"]
+    assert metric(client, 'lmcache_proxy_prefill_fallbacks_total{cause="timeout"}') == 1
+    assert proxy.prefill.down_urls() == [p1.url]
+
+
 # ------------------------------------------------------------------ routing
 def test_round_robin(fakes, make_proxy):
     ps, ds = [fakes["p1"], fakes["p2"]], [fakes["d1"], fakes["d2"]]
@@ -312,6 +330,16 @@ def test_failed_decoder_is_retried_on_another_and_marked_down(fakes, make_proxy,
     assert len(d1.calls) == 1 and len(d2.calls) == 2
     assert d2.calls[0]["body"]["kv_transfer_params"] == PARAMS
     assert d2.calls[0]["headers"]["x-request-id"] == d1.calls[0]["headers"]["x-request-id"]
+    assert proxy.decode.down_urls() == [d1.url]
+
+
+def test_decoder_gone_is_retried_on_another(fakes, make_proxy):
+    d1, d2 = fakes["d1"], fakes["d2"]
+    proxy, client = make_proxy([fakes["p1"].url], [d1.url, d2.url])
+    assert d1.served is not None
+    d1.served.stop()  # passed its health check, then went away
+    resp = client.post("/v1/completions", json={**REQUESTS["completions"][1], "stream": True})
+    assert resp.status_code == 200 and b"d2" in resp.content and len(d2.calls) == 1
     assert proxy.decode.down_urls() == [d1.url]
 
 
