@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lmcache.pd.proxy import Proxy, ProxyConfig
-from tests.openai_server import DYNAMIC, OpenAIServer, metric_value
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
 from tests.pd.test_proxy import Served
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
