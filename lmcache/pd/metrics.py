@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 OUTCOMES = ("ok", "error", "stream_error", "disconnected", "unavailable", "bad_request")
 """``ok``: a 200 answer sent in full; ``error``: the decoder's error answer (or 502/504 when
 no decoder answered) sent; ``stream_error``: the decoder's stream broke after the first
-byte; ``disconnected``: the client left before the end of its stream; ``unavailable``: no
+byte; ``disconnected``: the client left before the end of its answer; ``unavailable``: no
 decoder up (503); ``bad_request``: the client's body is not a JSON object (400)."""
 
 FALLBACK_CAUSES = ("no_prefiller", "connect", "timeout", "status", "no_params")

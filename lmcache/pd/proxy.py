@@ -26,6 +26,9 @@ Failures:
   on as it is, without a retry;
 * an instance whose request failed (no connection, timeout, 5xx) is out of rotation
   until its next good health check (:mod:`lmcache.pd.pool`).
+
+A client that closes its connection ends its request: the legs in flight are cancelled,
+which closes the connections to the servers (vLLM then aborts the request).
 """
 
 from __future__ import annotations
@@ -269,6 +272,25 @@ class Proxy:
         if not isinstance(body, dict):
             self._done(ep.label, "bad_request", start)
             return _error(400, "expected a JSON object as the request body", "invalid_request_error")
+        # A client that leaves before its answer starts cancels both legs (closing the
+        # connections to the servers makes vLLM abort the request); once a stream has
+        # started, the StreamingResponse notices the disconnect itself.
+        work = asyncio.ensure_future(self._serve(request, ep, body, start))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+        if work in done:
+            return work.result()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        self._done(ep.label, "disconnected", start)
+        return Response(status_code=499)  # nobody reads it
+
+    async def _serve(self, request: Request, ep: _Endpoint, body: dict[str, Any], start: float) -> Response:
         request_id = f"pd-{uuid.uuid4().hex}"
         headers = {**_forwarded(request), "X-Request-Id": request_id}
         params = await self._prefill(ep, body, headers)
@@ -466,6 +488,12 @@ async def _read_closing(resp: httpx.Response) -> bytes:
         return b""
     finally:
         await resp.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed its connection (its body must have been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _send(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:

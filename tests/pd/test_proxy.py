@@ -393,6 +393,22 @@ def test_client_leaving_mid_stream(fakes, make_proxy):
     assert metric(client, key) == 1
 
 
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+def test_client_leaving_before_the_answer(fakes, make_proxy, leg):
+    """A client that leaves while a leg runs: the proxy gives the request up at once."""
+    waiting = fakes["p1"] if leg == "prefill" else fakes["d1"]
+    waiting.mode, waiting.gate = "hang", threading.Event()
+    _, client = make_proxy([fakes["p1"].url], [fakes["d1"].url])
+    key = 'lmcache_proxy_requests_total{endpoint="completions",outcome="disconnected"}'
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=REQUESTS["completions"][1], timeout=0.3)
+        wait_for(lambda: key in client.get("/metrics").text, "the disconnect counted")
+    finally:
+        waiting.gate.set()
+    assert metric(client, key) == 1 and len(fakes["d1"].calls) == (leg == "decode")
+
+
 def test_cli_serves(tmp_path):
     """``python -m lmcache proxy`` starts, checks its servers and answers /health (503: none is up)."""
     with socket.socket() as s:
