@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 
 from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
+from lmcache.pd.proxy import Proxy, ProxyConfig
+from tests.pd.test_proxy import Served
 from tests.redis_fixtures import RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -127,31 +129,41 @@ def start_pd_servers(model: Path, tmp: Path, redis_url: str, roles: dict[str, st
 
 @pytest.fixture(scope="module")
 def pd(tiny_llama_dir, tmp_path_factory):
+    """(redis, prefiller, decoder, proxy): ``lmcache proxy``'s app served in this process."""
     tmp = tmp_path_factory.mktemp("pd")
     redis = RedisServer().start()
     try:
         servers = start_pd_servers(tiny_llama_dir, tmp, redis.url, {"prefiller": "kv_producer", "decoder": "kv_consumer"})
+        proxy = Served(Proxy(ProxyConfig((servers[0].url,), (servers[1].url,))).app())
         try:
-            yield redis, servers[0], servers[1]
+            yield redis, servers[0], servers[1], proxy
         finally:
+            proxy.stop()
             for server in servers:
                 server.stop()
     finally:
         redis.stop()
 
 
+def routed(pd, route: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A request through both legs: sent by the test itself, or by the proxy."""
+    _, prefiller, decoder, proxy = pd
+    return disaggregated(prefiller, decoder, path, body) if route == "legs" else single(proxy, path, body)
+
+
 CASES = [(kind, words, stream) for kind in ("completions", "chat") for words in (2, 68, 450)
          for stream in (False, True)]  # fmt: skip
 
 
-def test_both_legs_give_the_single_server_answer_and_the_decoder_computes_one_token(pd):
-    _, prefiller, decoder = pd
+@pytest.mark.parametrize("route", ["legs", "proxy"])
+def test_both_legs_give_the_single_server_answer_and_the_decoder_computes_one_token(pd, route):
+    _, prefiller, decoder, _ = pd
     before = decoder.metrics()
     prompt_tokens = []
     for i, (kind, words, stream) in enumerate(CASES):
-        path, body = request_body(kind, words, i, stream)
+        path, body = request_body(kind, words, i + (100 if route == "proxy" else 0), stream)
         want = single(prefiller, path, body)
-        got = disaggregated(prefiller, decoder, path, body)
+        got = routed(pd, route, path, body)
         assert got == want, (kind, words, stream)
         prompt_tokens.append(want["prompt_tokens"])
     assert min(prompt_tokens) < 32 and max(prompt_tokens) > 1500  # shorter than a block .. ~2k tokens
@@ -168,24 +180,29 @@ def test_both_legs_give_the_single_server_answer_and_the_decoder_computes_one_to
         before, "lmcache_pd_received_requests_total"
     )
     assert received == len(CASES) and metric_value(after, "lmcache_pd_fallbacks_total") == 0
+    if route == "proxy":
+        proxied = urllib.request.urlopen(pd[3].url + "/metrics").read().decode()
+        assert metric_value(proxied, "lmcache_proxy_prefill_fallbacks_total") == 0
     sent = prefiller.metrics()
     assert metric_value(sent, "lmcache_pd_sent_requests_total") >= len(CASES)
     assert metric_value(sent, "lmcache_dropped_writes_total") == 0  # every write reached Redis
 
 
-def test_eight_requests_at_once(pd):
-    _, prefiller, decoder = pd
-    cases = [request_body("completions" if i % 2 else "chat", 30 + 10 * i, 100 + i, bool(i % 3)) for i in range(8)]
+@pytest.mark.parametrize("route", ["legs", "proxy"])
+def test_eight_requests_at_once(pd, route):
+    _, prefiller, decoder, _ = pd
+    seed = 200 if route == "proxy" else 100
+    cases = [request_body("completions" if i % 2 else "chat", 30 + 10 * i, seed + i, bool(i % 3)) for i in range(8)]
     want = [single(prefiller, path, body) for path, body in cases]
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda c: disaggregated(prefiller, decoder, *c), cases))
+        got = list(pool.map(lambda c: routed(pd, route, *c), cases))
     assert got == want
     assert "lmcache PD" not in decoder.log()
 
 
 def test_a_prefiller_of_another_model_namespace_is_named_in_the_log(pd):
     """(Its chunk keys differ, so nothing of it could be found; the decoder does not wait.)"""
-    _, prefiller, decoder = pd
+    _, prefiller, decoder, _ = pd
     path, body = request_body("completions", 80, 777, False)
     want = single(prefiller, path, body)
     leg = dict(body, max_tokens=1, kv_transfer_params=dict(SEND))
@@ -197,7 +214,7 @@ def test_a_prefiller_of_another_model_namespace_is_named_in_the_log(pd):
 
 
 def test_redis_down_falls_back_to_computing_within_the_deadline(pd):
-    redis, prefiller, decoder = pd
+    redis, prefiller, decoder, _ = pd
     path, body = request_body("completions", 90, 999, False)
     want = single(prefiller, path, body)
     redis.stop()
@@ -209,3 +226,12 @@ def test_redis_down_falls_back_to_computing_within_the_deadline(pd):
     assert "pd_wait_timeout=3.0" in decoder.log()
     assert metric_value(decoder.metrics(), "lmcache_pd_fallbacks_total") == 1
 
+
+
+def test_prefiller_killed_the_proxy_sends_the_request_to_a_decoder_as_a_normal_one(pd):
+    _, prefiller, _, proxy = pd
+    path, body = request_body("chat", 50, 4242, True)
+    want = single(prefiller, path, body)
+    prefiller.stop()
+    assert single(proxy, path, body) == want
+    assert metric_value(urllib.request.urlopen(proxy.url + "/metrics").read().decode(), "lmcache_proxy_prefill_fallbacks_total") == 1
