@@ -1,9 +1,9 @@
 """The ``lmcache`` command line (console script ``lmcache`` and ``python -m lmcache``).
 
 Commands: ``config check``, ``disk inspect``, ``disk verify``, ``remote ping``,
-``stats``, ``bench``; ``--help`` on each. Exit codes: 0 success, 1 a problem was
-found (corrupt entries, unreachable server, no worker answering), 2 bad usage or an
-invalid configuration (the message names the file or variable, key, value and
+``stats``, ``bench``, ``admin serve`` (docs/admin.md); ``--help`` on each. Exit codes:
+0 success, 1 a problem was found (corrupt entries, unreachable server, no worker
+answering), 2 bad usage or an invalid configuration (the message names the file or variable, key, value and
 expectation). See docs/observability.md.
 """
 
@@ -17,12 +17,12 @@ from lmcache import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache.cli import bench_cmd, config_cmd, disk_cmd, remote_cmd, stats_cmd
+    from lmcache.cli import admin_cmd, bench_cmd, config_cmd, disk_cmd, remote_cmd, stats_cmd
 
     parser = argparse.ArgumentParser(
         prog="lmcache",
         description="lmcache operations: validate configs, inspect and verify disk caches, check remote "
-        "servers, read a running server's counters, run the benchmarks.",
+        "servers, read a running server's counters, run the benchmarks, serve the admin API.",
     )
     parser.add_argument("--version", action="version", version=f"lmcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote_cmd.add_parser(sub)
     stats_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    admin_cmd.add_parser(sub)
     return parser
 
 
