@@ -180,6 +180,8 @@ class Registration:
         )
         self._log_once = LogOnce(logger)
         self._stop = threading.Event()
+        self.written = threading.Event()
+        """Set after each successful write (tests and tools wait on it)."""
         self._thread = threading.Thread(target=self._run, name="lmcache-registration", daemon=True)
         self._thread.start()
 
@@ -188,6 +190,7 @@ class Registration:
         while True:
             try:
                 self._conn.set_small(self.key, value, self.ttl_s)
+                self.written.set()
             except RemoteError as exc:
                 self._log_once(logging.WARNING, "write", "lmcache: cannot register instance %s in the remote store "
                                "(%s); retrying quietly (logged once)", self.record.engine_id, exc)
