@@ -20,7 +20,7 @@ tokens -> ``{"pin_id", "pinned_tokens", "ttl"}``.
 
 Threads: the server accepts and answers on its own daemon threads (one per
 connection) and only calls the thread-safe ``LMCacheEngine.lookup`` and
-``CacheStats.snapshot``. The client is used by the scheduler thread; every call
+``CacheStats.snapshot`` (and the thread-safe ``WorkerAdmin`` for the admin ops). The client is used by the scheduler thread; every call
 blocks for at most ``timeout`` seconds per rank. Failures never raise out of the
 client: :meth:`LookupClient.lookup` returns None and the caller treats it as a miss.
 """
