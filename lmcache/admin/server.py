@@ -5,7 +5,8 @@ Routes (docs/admin.md): ``GET /health`` (never authenticated), ``GET /instances`
 ``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise). Errors are JSON
 ``{"error": "<field or thing>: <why>"}``: 422 for an invalid body (the field's path
 first), 404 for an unknown instance, 400 for a request that cannot be served as asked,
-502 when an instance or the remote store fails. Routes are plain functions: FastAPI
+502 when an instance or the remote store fails; a POST needs a Content-Length of at
+most :data:`MAX_BODY_BYTES` (411/413 otherwise). Routes are plain functions: FastAPI
 runs them on its thread pool, so blocking socket and Redis calls never stall the loop.
 """
 
@@ -25,6 +26,9 @@ from lmcache.admin.schemas import ClearBody, LookupBody, PinBody
 from lmcache.admin.service import AdminService, BadRequest, NotFound
 
 logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body (1M token ids as JSON take about 8 MB; a prompt at most 8M characters)."""
 
 
 def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -50,6 +54,13 @@ def create_app(service: AdminService, token: str | None = None) -> FastAPI:
             if not token_matches(token, request.headers.get("authorization")):
                 return JSONResponse({"error": "authorization: expected 'Bearer <token>' with the admin token"},
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if request.method == "POST":
+            size = request.headers.get("content-length")
+            if size is None or not size.isdigit():
+                return JSONResponse({"error": "content-length: required for a request body"}, status_code=411)
+            if int(size) > MAX_BODY_BYTES:
+                return JSONResponse({"error": f"body: {size} bytes; expected at most {MAX_BODY_BYTES}"},
+                                    status_code=413)
         return await call_next(request)
 
     app.add_exception_handler(RequestValidationError, _validation_error)

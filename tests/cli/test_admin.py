@@ -299,3 +299,18 @@ def test_vllm_worker_registers_serves_the_admin_ops_and_unregisters(redis_server
         remote.close()
         shutil.rmtree(base, ignore_errors=True)
     assert not redis_server.client().exists(instances_prefix("lmcache") + engine_id)
+
+
+def test_body_size_and_pin_count_are_bounded(world: World, monkeypatch) -> None:
+    from lmcache.admin import server
+    from lmcache.integration.vllm import worker_admin
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 32)
+    res = world.client.post("/lookup", json={"tokens": list(range(100))})
+    assert res.status_code == 413 and "body" in res.json()["error"]
+    monkeypatch.undo()
+    monkeypatch.setattr(worker_admin, "MAX_ACTIVE_PINS", 1)
+    pin = {"instance": ENGINE_ID, "tokens": [1, 2], "ttl": 600}
+    assert world.client.post("/pin", json=pin).status_code == 200
+    res = world.client.post("/pin", json=pin)
+    assert res.status_code == 502 and "pins already held" in res.json()["error"]

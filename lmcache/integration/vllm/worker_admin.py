@@ -3,14 +3,16 @@ lookups, clearing the local tiers, and pins with a time limit.
 
 Threads: every method is called from a lookup-server thread (one per connection) and
 only uses the engine's thread-safe lookup path, its tiers' thread-safe ``keys``/
-``remove`` and the storage manager's unpin. Unpins after a pin's ttl run on a
-``threading.Timer`` thread. Nothing here moves KV bytes.
+``remove`` and the storage manager's unpin. Unpins after a pin's ttl run on one
+expiry thread per worker. Nothing here moves KV bytes.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -25,20 +27,24 @@ logger = logging.getLogger(__name__)
 
 LOCAL_TIERS = (Tier.CPU, Tier.DISK)
 MAX_PIN_TTL_S = 24 * 3600.0
+MAX_ACTIVE_PINS = 4096
 
 
 class WorkerAdmin:
     """Admin operations on ``engine`` (see the module docstring).
 
-    ``on_unpin(pin_id)`` (tests, tools) is called on the timer thread after a pin's
-    ttl has passed and its entries were unpinned. :meth:`close` cancels the timers and
-    releases every pin still held."""
+    Pins expire on one daemon thread (started with the first pin), earliest deadline
+    first; at most :data:`MAX_ACTIVE_PINS` pins are held at once (a further pin is a
+    ValueError). ``on_unpin(pin_id)`` (tests, tools) is called on that thread after a
+    pin's ttl has passed and its entries were unpinned. :meth:`close` stops the thread
+    and releases every pin still held."""
 
     def __init__(self, engine: LMCacheEngine, on_unpin: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.on_unpin = on_unpin
-        self._timers: dict[str, threading.Timer] = {}
-        self._lock = threading.Lock()
+        self._deadlines: list[tuple[float, str]] = []  # heap
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
         self._closed = False
 
     def _local_backends(self) -> list[Any]:
@@ -74,37 +80,47 @@ class WorkerAdmin:
 
     def pin(self, tokens: np.ndarray, ttl: float, extras: dict[str, Any]) -> dict[str, Any]:
         """Pin the leading chunks of ``tokens`` found in the CPU tier for ``ttl`` seconds
-        (0 < ttl <= :data:`MAX_PIN_TTL_S`); ``{"pin_id": id, "pinned_tokens": n}``."""
+        (0 < ttl <= :data:`MAX_PIN_TTL_S`); ``{"pin_id": id, "pinned_tokens": n, "ttl": ttl}``."""
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not 0 < ttl <= MAX_PIN_TTL_S:
             raise ValueError(f"ttl={ttl!r}: expected seconds in (0, {MAX_PIN_TTL_S:g}]")
         allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
         pin_id = f"admin-pin-{uuid.uuid4().hex}"
-        with self._lock:
+        with self._cv:
             if self._closed:
                 raise RuntimeError("the worker is closing")
+            if len(self._deadlines) >= MAX_ACTIVE_PINS:
+                raise ValueError(f"pin: {MAX_ACTIVE_PINS} pins already held by this worker; wait for some to expire")
             hit = self.engine.lookup(tokens, search_range="LocalCPUBackend", pin=True, lookup_id=pin_id, **allowed)
-            timer = threading.Timer(float(ttl), self._expire, args=(pin_id,))
-            timer.daemon = True
-            timer.name = "lmcache-admin-unpin"
-            self._timers[pin_id] = timer
-            timer.start()
+            heapq.heappush(self._deadlines, (time.monotonic() + float(ttl), pin_id))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._expire_loop, name="lmcache-admin-unpin", daemon=True)
+                self._thread.start()
+            self._cv.notify()
         logger.info("lmcache admin: pinned %d tokens in the CPU tier for %gs (%s)", hit, ttl, pin_id)
         return {"pin_id": pin_id, "pinned_tokens": hit, "ttl": ttl}
 
-    def _expire(self, pin_id: str) -> None:
-        with self._lock:
-            if self._timers.pop(pin_id, None) is None:
-                return
-        self.engine.lookup_unpin(pin_id)
-        if self.on_unpin is not None:
-            self.on_unpin(pin_id)
+    def _expire_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._deadlines or self._deadlines[0][0] > time.monotonic()):
+                    timeout = self._deadlines[0][0] - time.monotonic() if self._deadlines else None
+                    self._cv.wait(timeout)
+                if self._closed:
+                    return
+                _, pin_id = heapq.heappop(self._deadlines)
+            self.engine.lookup_unpin(pin_id)
+            if self.on_unpin is not None:
+                self.on_unpin(pin_id)
 
     def close(self) -> None:
-        """Cancel the timers and release the pins still held. Idempotent."""
-        with self._lock:
+        """Stop the expiry thread and release the pins still held. Idempotent."""
+        with self._cv:
             self._closed = True
-            timers, self._timers = self._timers, {}
-        for pin_id, timer in timers.items():
-            timer.cancel()
-            if not self.engine.closed:
+            held, self._deadlines = self._deadlines, []
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None:
+            thread.join()
+        if not self.engine.closed:
+            for _, pin_id in held:
                 self.engine.lookup_unpin(pin_id)
