@@ -128,7 +128,8 @@ class AdminService:
                 out["tiers"][str(Tier.REMOTE)] = remote.cached_tokens(inst.record, tokens)
             except (RemoteError, ValueError, TypeError, KeyError) as exc:
                 errors.append(f"remote tier: {type(exc).__name__}: {exc}")
-        out["cached_tokens"] = max(out["tiers"].values(), default=0)
+        if out["tiers"]:
+            out["cached_tokens"] = max(out["tiers"].values())
         if errors:
             out["error"] = "; ".join(errors)
         return out
