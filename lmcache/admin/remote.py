@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from urllib.parse import quote
 
-from lmcache.integration.vllm.registration import InstanceRecord, instances_prefix
+from lmcache.integration.vllm.registration import InstanceRecord, index_key, instances_prefix
 from lmcache.log_once import LogOnce
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.storage_backend.connector import RedisConnector, create_connector, mask_url
@@ -44,19 +44,22 @@ class RemoteStore:
         self._log_once = LogOnce(logger)
 
     def records(self) -> list[InstanceRecord]:
-        """Every live instance record (malformed values are skipped, logged once)."""
+        """Every live instance record, from the registration index (no keyspace SCAN).
+        Index entries whose record expired are dropped; malformed records are skipped
+        (logged once)."""
         out = []
-        prefix = instances_prefix(self.key_prefix)
-        for batch in self.conn.scan_keys(glob_escape(prefix) + "*"):
-            for key in batch:
-                raw = self.conn.get(key.decode())
-                if raw is None:  # expired between SCAN and GET
-                    continue
-                try:
-                    out.append(InstanceRecord.from_json(raw))
-                except (ValueError, TypeError) as exc:
-                    self._log_once(logging.WARNING, "record", "lmcache admin: skipping a malformed instance record "
-                                   "%r (%s) (logged once)", key, exc)
+        index = index_key(self.key_prefix)
+        for member in self.conn.command(index, "ZRANGE", index, 0, -1):
+            engine_id = member.decode() if isinstance(member, bytes) else str(member)
+            raw = self.conn.get(instances_prefix(self.key_prefix) + engine_id)
+            if raw is None:  # the instance died without closing: its record expired
+                self.conn.command(index, "ZREM", index, member)
+                continue
+            try:
+                out.append(InstanceRecord.from_json(raw))
+            except (ValueError, TypeError) as exc:
+                self._log_once(logging.WARNING, "record", "lmcache admin: skipping a malformed instance record "
+                               "%r (%s) (logged once)", engine_id, exc)
         return sorted(out, key=lambda r: r.engine_id)
 
     def cached_tokens(self, record: InstanceRecord, tokens: Sequence[int]) -> int:

@@ -266,8 +266,9 @@ def test_registration_appears_and_disappears(world: World) -> None:
     assert inst["namespace"] == "admin-model" and inst["chunk_size"] == CHUNK
     assert inst["tiers"] == ["cpu", "disk", "remote"] and inst["sockets"] == [world.server.path]
     assert "remote_url" not in str(inst) and "redis://" not in str(inst)
+    assert world.redis.zrange("lmcache:instances", 0, -1) == [ENGINE_ID.encode()]
     world.registration.close()
-    assert not world.redis.exists(key)
+    assert not world.redis.exists(key) and not world.redis.exists("lmcache:instances")
     (inst,) = world.client.get("/instances").json()["instances"]
     assert inst["id"] == f"local-{engine_digest(ENGINE_ID)}" and not inst["registered"]
 
@@ -322,12 +323,14 @@ def test_remote_clear_and_registrations_on_a_cluster(redis_cluster) -> None:
     for i in range(40):
         client.set(f"lmcache:v1:kv:m@1@0@{i:032x}@float32", b"x")
     client.set("lmcache:instances:e1", b'{"engine_id": "e1"}')
+    client.zadd("lmcache:instances", {"e1": 1.0, "gone": 2.0})
     client.set("other:key", b"y")
     store = RemoteStore(redis_cluster.url)
     try:
         assert store.delete_matching("lmcache:v1:kv:*") == 40
-        assert [k.decode() for b in store.conn.scan_keys("*") for k in b] in (
-            ["lmcache:instances:e1", "other:key"], ["other:key", "lmcache:instances:e1"])
+        left = sorted(k.decode() for b in store.conn.scan_keys("*") for k in b)
+        assert left == ["lmcache:instances", "lmcache:instances:e1", "other:key"]
         assert store.records() == []  # a record missing its fields is skipped (logged), not half-read
+        assert client.zrange("lmcache:instances", 0, -1) == [b"e1"]  # "gone" has no record: dropped
     finally:
         store.close()

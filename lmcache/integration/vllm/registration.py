@@ -1,9 +1,11 @@
 """Instance registration: a vLLM instance with a remote tier announces itself there.
 
 Rank 0's worker writes ``<remote_key_prefix>:instances:<engine_id>`` (JSON, see
-:class:`InstanceRecord`) with a TTL of :data:`TTL_S` seconds and refreshes it every
-:data:`REFRESH_S` seconds from a daemon thread; :meth:`Registration.close` deletes it.
-An instance that died without closing disappears when the TTL runs out. The admin API
+:class:`InstanceRecord`) with a TTL of :data:`TTL_S` seconds, adds its engine id to the
+sorted set ``<remote_key_prefix>:instances`` (the index readers list, so that nobody
+SCANs the cache's keyspace), and refreshes both every :data:`REFRESH_S` seconds from a
+daemon thread; :meth:`Registration.close` deletes them. An instance that died without
+closing disappears when the TTL runs out (readers drop its index entry then). The admin API
 (:mod:`lmcache.admin`) lists instances from these records and, with :class:`KeySpace`,
 computes the remote keys of a prompt's chunks without asking the instance.
 
@@ -42,6 +44,11 @@ RECORD_VERSION = 1
 def instances_prefix(key_prefix: str) -> str:
     """Where the records live: ``<remote_key_prefix>:instances:``."""
     return f"{key_prefix}:instances:"
+
+
+def index_key(key_prefix: str) -> str:
+    """The sorted set of registered engine ids (score: start time)."""
+    return f"{key_prefix}:instances"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +178,7 @@ class Registration:
         assert config.remote_url is not None
         options = RemoteOptions.from_config(config, 1 << 30)
         self.key = instances_prefix(options.key_prefix or "lmcache") + record.engine_id
+        self.index = index_key(options.key_prefix or "lmcache")
         self.record = record
         self.ttl_s = ttl_s
         self.refresh_s = refresh_s
@@ -186,10 +194,11 @@ class Registration:
         self._thread.start()
 
     def _run(self) -> None:
-        value = self.record.to_json()
+        value, engine_id = self.record.to_json(), self.record.engine_id
         while True:
             try:
-                self._conn.set_small(self.key, value, self.ttl_s)
+                self._conn.command(self.key, "SET", self.key, value, "EX", self.ttl_s)
+                self._conn.command(self.index, "ZADD", self.index, self.record.started_at, engine_id)
                 self.written.set()
             except RemoteError as exc:
                 self._log_once(logging.WARNING, "write", "lmcache: cannot register instance %s in the remote store "
@@ -205,6 +214,7 @@ class Registration:
         self._thread.join()
         try:
             self._conn.delete(self.key)
+            self._conn.command(self.index, "ZREM", self.index, self.record.engine_id)
         except RemoteError as exc:
             self._log_once(logging.WARNING, "delete", "lmcache: cannot unregister instance %s (%s); it expires in %ds",
                            self.record.engine_id, exc, self.ttl_s)

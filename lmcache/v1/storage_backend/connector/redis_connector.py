@@ -154,11 +154,10 @@ class RedisConnector:
         kb = key.encode()
         return bool(self._routed(kb, lambda c: _command(c, "DEL", kb)))
 
-    def set_small(self, key: str, value: bytes, ttl_s: int | None = None) -> None:
-        """``SET key value [EX ttl_s]`` for a small value (records, not cache entries)."""
-        kb = key.encode()
-        args: tuple[Any, ...] = ("SET", kb, value) + (("EX", int(ttl_s)) if ttl_s else ())
-        self._routed(kb, lambda c: _command(c, *args))
+    def command(self, key: str, *args: Any) -> Any:
+        """Run one small command (``args``, e.g. ``"ZADD", key, 1, "m"``) on the node owning
+        ``key`` and return its reply (records and indexes, not cache entries)."""
+        return self._routed(key.encode(), lambda c: _command(c, *args))
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Delete ``keys`` (one DEL per key, pipelined per node); the number that existed."""
