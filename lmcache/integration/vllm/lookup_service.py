@@ -19,9 +19,10 @@ The admin API's ops (served only when the server has a ``WorkerAdmin``,
 tokens -> ``{"pin_id", "pinned_tokens", "ttl"}``.
 
 Threads: the server accepts and answers on its own daemon threads (one per
-connection) and only calls the thread-safe ``LMCacheEngine.lookup`` and
-``CacheStats.snapshot`` (and the thread-safe ``WorkerAdmin`` for the admin ops). The client is used by the scheduler thread; every call
-blocks for at most ``timeout`` seconds per rank. Failures never raise out of the
+connection) and only calls the thread-safe ``LMCacheEngine.lookup``,
+``CacheStats.snapshot`` and ``WorkerAdmin``. The client is used by the scheduler
+thread (and the admin API's request threads); every call blocks for at most
+``timeout`` seconds per rank. Failures never raise out of the
 client: :meth:`LookupClient.lookup` returns None and the caller treats it as a miss.
 """
 
