@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache.log_once import LogOnce
 from lmcache.v1.cache_engine import LMCacheEngine
@@ -33,6 +33,9 @@ from lmcache.v1.storage_backend.connector import RemoteError, create_connector
 from lmcache.v1.storage_backend.remote_backend import RemoteOptions
 from lmcache.v1.tiers import Tier
 from lmcache.v1.token_database import ChunkedTokenDatabase
+
+if TYPE_CHECKING:
+    from lmcache.integration.vllm.metadata_builder import AdapterSettings
 
 logger = logging.getLogger(__name__)
 
@@ -221,10 +224,10 @@ class Registration:
         self._conn.close()
 
 
-def start_registration(settings: Any, engine: LMCacheEngine, vllm_config: Any, rank: int,
+def start_registration(settings: AdapterSettings, engine: LMCacheEngine, vllm_config: Any, rank: int,
                        sockets: list[str]) -> Registration | None:
     """Rank 0 with a remote tier: register the instance; otherwise (or on a failure,
-    logged) None. ``settings`` is the adapter's ``AdapterSettings``."""
+    logged) None."""
     if rank != 0 or settings.config.remote_url is None:
         return None
     try:
