@@ -2,9 +2,10 @@
 
 Commands: ``config check``, ``disk inspect``, ``disk verify``, ``remote ping``,
 ``stats``, ``bench``, ``proxy`` (the disaggregated prefill/decode router, a server
-that runs until interrupted); ``--help`` on each. Exit codes: 0 success, 1 a problem was
-found (corrupt entries, unreachable server, no worker answering), 2 bad usage or an
-invalid configuration (the message names the file or variable, key, value and
+that runs until interrupted), ``admin serve`` (docs/admin.md); ``--help`` on each. Exit
+codes: 0 success, 1 a problem was found (corrupt entries, unreachable server, no worker
+answering), 2 bad usage or an invalid configuration (the message names the file or
+variable, key, value and
 expectation). See docs/observability.md.
 """
 
@@ -18,12 +19,13 @@ from lmcache import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lmcache.cli import bench_cmd, config_cmd, disk_cmd, proxy_cmd, remote_cmd, stats_cmd
+    from lmcache.cli import admin_cmd, bench_cmd, config_cmd, disk_cmd, proxy_cmd, remote_cmd, stats_cmd
 
     parser = argparse.ArgumentParser(
         prog="lmcache",
         description="lmcache operations: validate configs, inspect and verify disk caches, check remote "
-        "servers, read a running server's counters, run the benchmarks, route disaggregated prefill/decode.",
+        "servers, read a running server's counters, run the benchmarks, route disaggregated prefill/decode, "
+        "serve the admin API.",
     )
     parser.add_argument("--version", action="version", version=f"lmcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     proxy_cmd.add_parser(sub)
+    admin_cmd.add_parser(sub)
     return parser
 
 

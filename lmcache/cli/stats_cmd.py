@@ -10,16 +10,10 @@ prints the numbers by tier.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
-import re
 import sys
-from collections import defaultdict
 
 from lmcache.v1.tiers import TIERS, Tier
-
-_SOCK = re.compile(r"^lookup-(?P<digest>[0-9a-f]+)-r(?P<rank>\d+)\.sock$")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,12 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def find_instances(socket_dir: str) -> dict[str, list[str]]:
     """``{engine digest: [socket path by rank]}`` of the sockets in ``socket_dir``."""
-    found: dict[str, dict[int, str]] = defaultdict(dict)
-    for path in glob.glob(os.path.join(socket_dir, "lookup-*.sock")):
-        m = _SOCK.match(os.path.basename(path))
-        if m:
-            found[m["digest"]][int(m["rank"])] = path
-    return {d: [ranks[r] for r in sorted(ranks)] for d, ranks in sorted(found.items())}
+    from lmcache.integration.vllm.naming import find_lookup_sockets
+
+    return find_lookup_sockets(socket_dir)
 
 
 def run_stats(args: argparse.Namespace) -> int:

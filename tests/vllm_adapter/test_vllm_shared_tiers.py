@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from lmcache.admin.remote import RemoteStore
+from lmcache.integration.vllm.registration import InstanceRecord
+
 from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
 
 pytestmark = [
@@ -57,3 +60,17 @@ def test_second_process_hits_the_remote_tier(tiny_llama_dir, redis_server):
     a, b = serve_twice(str(tiny_llama_dir), prompts, lmcache)
     check_second_process_hits(prompts, a, b)
     assert redis_server.client().dbsize() > 0
+    # rank 0 registered each instance for the admin API (docs/admin.md); a record left by a
+    # worker that was killed rather than closed expires within its TTL
+    client = redis_server.client()
+    keys = list(client.scan_iter("lmcache:instances:*"))
+    store = RemoteStore(redis_server.url)
+    try:
+        for key in keys:
+            record = InstanceRecord.from_json(client.get(key))
+            assert 0 < client.ttl(key) <= 30
+            assert record.model == str(tiny_llama_dir) and record.chunk_size == CHUNK and "remote" in record.tiers
+            # the admin API's remote probe rebuilds the keys vLLM's workers wrote
+            assert [store.cached_tokens(record, p) for p in prompts] == [len(p) // CHUNK * CHUNK for p in prompts]
+    finally:
+        store.close()

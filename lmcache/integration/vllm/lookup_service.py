@@ -13,11 +13,16 @@ Wire format (both directions): ``!II`` header length and payload length, a JSON
 header, then the payload. Requests: ``{"op": "lookup", "extras": {...}}`` with the
 tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "stats"}`` ->
 ``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
+The admin API's ops (served only when the server has a ``WorkerAdmin``,
+:mod:`.worker_admin`): ``{"op": "tiers", "extras"}`` + tokens -> ``{"tiers": {tier: n}}``;
+``{"op": "clear"}`` -> ``{"cleared": {...}}``; ``{"op": "pin", "ttl", "extras"}`` +
+tokens -> ``{"pin_id", "pinned_tokens", "ttl"}``.
 
 Threads: the server accepts and answers on its own daemon threads (one per
-connection) and only calls the thread-safe ``LMCacheEngine.lookup`` and
-``CacheStats.snapshot``. The client is used by the scheduler thread; every call
-blocks for at most ``timeout`` seconds per rank. Failures never raise out of the
+connection) and only calls the thread-safe ``LMCacheEngine.lookup``,
+``CacheStats.snapshot`` and ``WorkerAdmin``. The client is used by the scheduler
+thread (and the admin API's request threads); every call blocks for at most
+``timeout`` seconds per rank. Failures never raise out of the
 client: :meth:`LookupClient.lookup` returns None and the caller treats it as a miss.
 """
 
@@ -32,7 +37,7 @@ import socketserver
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +45,9 @@ from lmcache.errors import LMCacheError
 from lmcache.log_once import LogOnce
 from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
+
+if TYPE_CHECKING:
+    from lmcache.integration.vllm.worker_admin import WorkerAdmin
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +126,10 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
+    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn, admin: WorkerAdmin | None = None) -> None:
         self._lookup = lookup
         self._stats = stats
+        self._admin = admin
         self._log_once = LogOnce(logger)
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -158,7 +167,20 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return {"stats": self._stats()}
         if op == "ping":
             return {}
+        if op in ("tiers", "clear", "pin") and self._admin is not None:
+            return self._dispatch_admin(op, header, payload)
         return {"error": f"unknown op {op!r}"}
+
+    def _dispatch_admin(self, op: str, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        admin = self._admin
+        assert admin is not None
+        extras = dict(header.get("extras") or {})
+        if op == "clear":
+            return {"cleared": admin.clear()}
+        tokens = np.frombuffer(payload, dtype="<i4")
+        if op == "tiers":
+            return {"tiers": admin.tier_hits(tokens, extras)}
+        return admin.pin(tokens, header.get("ttl"), extras)  # type: ignore[arg-type]
 
     def on_foreign_peer(self, sock: socket.socket) -> None:
         self._log_once(
@@ -192,7 +214,7 @@ class LookupServer:
     uid is served.
     """
 
-    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn) -> None:
+    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn, *, admin: WorkerAdmin | None = None) -> None:
         self.path = path
         directory = os.path.dirname(path) or "."
         parent = os.path.dirname(directory)
@@ -203,7 +225,7 @@ class LookupServer:
         sweep_stale_sockets(directory, "lookup-")
         if not remove_stale_socket(path):
             raise OSError(errno.EADDRINUSE, f"{path}: a live lookup server already listens there")
-        self._server = _Server(path, lookup, stats)
+        self._server = _Server(path, lookup, stats, admin)
         os.chmod(path, 0o600)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="lmcache-lookup", daemon=True
@@ -293,6 +315,13 @@ class LookupClient:
                     return None
                 hits.append(int(reply["hit"]))
         return min(hits)
+
+    def each_rank(self, header: dict[str, Any], tokens: Any = None) -> list[dict[str, Any] | None]:
+        """Send one request to every rank (the admin ops); each rank's reply, None where
+        it failed (:attr:`last_error` says why)."""
+        payload = tokens_to_array(tokens).tobytes() if tokens is not None else b""
+        with self._lock:
+            return [self._call(rank, header, payload) for rank in range(len(self.paths))]
 
     def stats(self) -> list[dict[str, int]]:
         """The counters of every rank that answers."""

@@ -7,8 +7,10 @@ directory).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.private_files import default_runtime_dir
@@ -36,10 +38,27 @@ MAX_SOCKET_PATH = 107
 """Longest Unix socket path Linux accepts, in bytes (``sun_path`` holds 108 with the NUL)."""
 
 
+def engine_digest(engine_id: str) -> str:
+    """The short digest of a vLLM engine id that names its lookup sockets."""
+    return hashlib.sha1(engine_id.encode()).hexdigest()[:16]
+
+
 def socket_path(socket_dir: str, engine_id: str, rank: int) -> str:
     """Unix socket of worker ``rank``'s lookup server (short: see :data:`MAX_SOCKET_PATH`)."""
-    digest = hashlib.sha1(engine_id.encode()).hexdigest()[:16]
-    return os.path.join(socket_dir, f"lookup-{digest}-r{rank}.sock")
+    return os.path.join(socket_dir, f"lookup-{engine_digest(engine_id)}-r{rank}.sock")
+
+
+_SOCK = re.compile(r"^lookup-(?P<digest>[0-9a-f]+)-r(?P<rank>\d+)\.sock$")
+
+
+def find_lookup_sockets(socket_dir: str) -> dict[str, list[str]]:
+    """``{engine digest: [socket path by rank]}`` of the lookup sockets in ``socket_dir``."""
+    found: dict[str, dict[int, str]] = {}
+    for path in glob.glob(os.path.join(socket_dir, "lookup-*.sock")):
+        m = _SOCK.match(os.path.basename(path))
+        if m:
+            found.setdefault(m["digest"], {})[int(m["rank"])] = path
+    return {d: [ranks[r] for r in sorted(ranks)] for d, ranks in sorted(found.items())}
 
 
 def socket_dir_problem(socket_dir: str, engine_id: str, world_size: int) -> str | None:

@@ -51,7 +51,9 @@ from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_en
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.naming import instance_id, socket_path
+from lmcache.integration.vllm.registration import Registration, start_registration
 from lmcache.integration.vllm.stats_registry import process_snapshot
+from lmcache.integration.vllm.worker_admin import WorkerAdmin
 from lmcache.integration.vllm.worker_side import WorkerConnector
 from lmcache.observability.logs import setup_logging, startup_line
 from lmcache.observability.metrics import StatsDelta
@@ -120,6 +122,8 @@ class LMCacheConnectorV1Impl:
         self.engine: LMCacheEngine | None = None
         self.rank = 0
         self._server: LookupServer | None = None
+        self._admin: WorkerAdmin | None = None
+        self._registration: Registration | None = None
         self._closed = False
         self.warn = failure_logger(logger)
         # attributes vLLM's wrapper resets when an impl has no bind_connector_metadata
@@ -137,6 +141,9 @@ class LMCacheConnectorV1Impl:
             saves = self.rank == 0 or not self.settings.save_only_first_rank
             self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise, saves=saves)
             self._start_server()
+            sockets = [socket_path(self.settings.socket_dir, self.settings.engine_id, r)
+                       for r in range(self.settings.world_size)]
+            self._registration = start_registration(self.settings, self.engine, vllm_config, self.rank, sockets)
             self._start_observability(parent)
         atexit.register(self.close)
         if self.is_scheduler:
@@ -211,7 +218,8 @@ class LMCacheConnectorV1Impl:
 
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
-            self._server = LookupServer(path, lookup, lambda: process_snapshot(engine))
+            self._admin = WorkerAdmin(engine)
+            self._server = LookupServer(path, lookup, lambda: process_snapshot(engine), admin=self._admin)
         except OSError as exc:
             logger.warning(
                 "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",
@@ -343,8 +351,12 @@ class LMCacheConnectorV1Impl:
         self._closed = True
         if self._summary is not None:
             self._summary.close()
+        if self._registration is not None:
+            self._registration.close()
         if self._server is not None:
             self._server.close()
+        if self._admin is not None:
+            self._admin.close()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.engine is not None:

@@ -146,6 +146,21 @@ class RemoteOptions:
         return dataclasses.replace(opts, max_inflight_bytes=mb * MiB)
 
 
+def entry_key_prefix(key_prefix: str, namespace: str) -> str:
+    """``<key_prefix>:v<entry version>:<namespace>:``: the start of every entry key of a namespace."""
+    return f"{key_prefix}:v{ENTRY_VERSION}:{namespace}:"
+
+
+def entry_key(prefix: str, key: CacheEngineKey) -> str:
+    """The remote key of ``key``'s entry under ``prefix`` (from :func:`entry_key_prefix`);
+    see :meth:`RemoteBackend.remote_key`. Pure: tools compute the keys of a running
+    engine's entries with it."""
+    text = key.to_string()
+    if len(text) > MAX_PLAIN_KEY:
+        text = "#sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return prefix + text
+
+
 class _NoRoom(Exception):
     """Internal: the CPU pool cannot take a remote hit."""
 
@@ -210,7 +225,7 @@ class RemoteBackend(StorageBackend):
             raise ConfigError(str(exc)) from None
         self.stats = RemoteStats()
         self.breaker = CircuitBreaker(ExponentialBackoff(self.options.backoff_initial, self.options.backoff_max))
-        self._key_prefix = f"{self.options.key_prefix}:v{ENTRY_VERSION}:{namespace}:"
+        self._key_prefix = entry_key_prefix(self.options.key_prefix or "lmcache", namespace)
         self._writer = ThreadPoolExecutor(self.options.workers, thread_name_prefix="lmcache-remote-put")
         self._reader = ThreadPoolExecutor(self.options.read_workers, thread_name_prefix="lmcache-remote-get")
         self._cv = threading.Condition()
@@ -251,10 +266,12 @@ class RemoteBackend(StorageBackend):
         header (which repeats the remote key) always fits the first read, and still
         collision-resistant.
         """
-        text = key.to_string()
-        if len(text) > MAX_PLAIN_KEY:
-            text = "#sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-        return self._key_prefix + text
+        return entry_key(self._key_prefix, key)
+
+    @property
+    def key_prefix(self) -> str:
+        """What every entry key of this tier starts with (:func:`entry_key_prefix`)."""
+        return self._key_prefix
 
     # ------------------------------------------------------------------ contract
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:

@@ -154,6 +154,46 @@ class RedisConnector:
         kb = key.encode()
         return bool(self._routed(kb, lambda c: _command(c, "DEL", kb)))
 
+    def command(self, key: str, *args: Any) -> Any:
+        """Run one small command (``args``, e.g. ``"ZADD", key, 1, "m"``) on the node owning
+        ``key`` and return its reply (records and indexes, not cache entries)."""
+        return self._routed(key.encode(), lambda c: _command(c, *args))
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys`` (one DEL per key, pipelined per node); the number that existed."""
+        groups: dict[int, tuple[redis.ConnectionPool, list[bytes]]] = {}
+        for kb in keys:
+            pool = self._topology.pool_for(kb)
+            groups.setdefault(id(pool), (pool, []))[1].append(kb)
+        removed = 0
+        for pool, group in groups.values():
+            cmds = [("DEL", kb) for kb in group]
+
+            def run(c: Any, cmds: list[tuple[Any, ...]] = cmds) -> int:
+                c.send_packed_command(c.pack_commands(cmds), check_health=False)
+                return sum(int(c.read_response()) for _ in cmds)
+
+            removed += self._on_pool(pool, run)
+        return removed
+
+    def scan_keys(self, pattern: str, batch: int = 1000) -> Iterator[list[bytes]]:
+        """The keys matching ``pattern`` on every primary, in lists of at most ``batch``
+        (SCAN; for tools, not the cache path). Raises RemoteError on failure."""
+        self.ping()  # connected, cluster slot map known
+        for pool in self._topology.all_pools():
+            client = redis.Redis(connection_pool=pool)
+            try:
+                keys: list[bytes] = []
+                for key in client.scan_iter(match=pattern, count=batch):
+                    keys.append(key)
+                    if len(keys) >= batch:
+                        yield keys
+                        keys = []
+                if keys:
+                    yield keys
+            except redis.RedisError as exc:
+                raise _translate(exc, None) from None
+
     def close(self) -> None:
         """Drop all connections. Idempotent; later calls reconnect."""
         self._topology.close()
