@@ -1,0 +1,173 @@
+"""CacheBlend's selective recompute: fuse separately cached KV with a little recomputation.
+
+Input: a prompt's token ids and, for some of its tokens, KV computed *without* the text
+that now precedes them (a cached document), already moved to the tokens' new positions
+(:mod:`lmcache.v1.blend.rope`, :mod:`lmcache.v1.blend.reused`). Such KV lacks the
+cross-attention to earlier documents; recomputing every token would fix it but costs a
+full prefill. CacheBlend recomputes only the tokens whose KV deviates most:
+
+1. Layers ``0 .. check`` run for every token (fresh KV for all of them).
+2. At the check layer, each reused token's deviation is the squared L2 distance between its
+   fresh and its cached K and V. The ``ratio`` fraction of the reused tokens with the
+   largest deviation, every token without cached KV (new text, separators) and the last
+   token stay *selected*; the others keep their cached KV from the next layer on.
+3. Each following layer computes q/k/v, attention and the MLP for the selected tokens only;
+   their attention runs over all tokens' KV (fresh rows for the selected, cached rows for
+   the others) with an exact causal mask by position, and their fresh KV is written.
+
+Several check layers narrow the selection step by step (ratios non-increasing). With ratio
+1 the result is a full prefill; with ratio 0 the reused tokens keep their cached KV in every
+layer after the check layer. Pure torch; runs on whatever device the model and inputs are on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lmcache.v1.blend.model import BlendModel, causal_attention
+from lmcache.v1.blend.reused import ReusedKV
+
+__all__ = ["BlendConfig", "BlendResult", "blend", "deviation", "full_prefill"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlendConfig:
+    """Which layers check deviations, and what fraction of the reused tokens each keeps.
+
+    ``check_layers`` strictly increasing layer indices; ``recompute_ratios`` one per check
+    layer, in ``[0, 1]``, non-increasing. Defaults: check after layer 1, keep 15 %."""
+
+    recompute_ratios: tuple[float, ...] = (0.15,)
+    check_layers: tuple[int, ...] = (1,)
+
+    def __post_init__(self) -> None:
+        ratios, layers = tuple(self.recompute_ratios), tuple(self.check_layers)
+        object.__setattr__(self, "recompute_ratios", ratios)
+        object.__setattr__(self, "check_layers", layers)
+        if not layers or len(ratios) != len(layers):
+            raise ValueError(
+                f"check_layers={layers} and recompute_ratios={ratios}: expected one ratio per check layer (at least one)"
+            )
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in layers):
+            raise ValueError(f"check_layers={layers}: expected non-negative ints")
+        if any(b <= a for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"check_layers={layers}: expected strictly increasing layers")
+        if any(not (isinstance(r, (int, float)) and 0.0 <= r <= 1.0) for r in ratios):
+            raise ValueError(f"recompute_ratios={ratios}: expected numbers in [0, 1]")
+        if any(b > a for a, b in zip(ratios, ratios[1:])):
+            raise ValueError(f"recompute_ratios={ratios}: expected non-increasing ratios")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlendResult:
+    """The prompt's KV and its last token's output. Tensors are new and owned by the caller."""
+
+    keys: list[torch.Tensor]
+    """Per layer, ``[num_tokens, num_kv_heads, head_dim]`` at the prompt's positions."""
+    values: list[torch.Tensor]
+    hidden: torch.Tensor
+    """The last token's final-normed hidden state ``[hidden]``."""
+    logits: torch.Tensor
+    """The last token's logits ``[vocab]``."""
+    recomputed: torch.Tensor
+    """bool ``[num_tokens]``: tokens whose KV is fresh in the layers after the last check layer."""
+
+
+def full_prefill(model: BlendModel, token_ids: torch.Tensor) -> BlendResult:
+    """Every token through every layer (the reference a blend approximates)."""
+    return blend(model, token_ids, None, BlendConfig((1.0,), (0,)))
+
+
+@torch.no_grad()
+def blend(
+    model: BlendModel,
+    token_ids: torch.Tensor,
+    reused: ReusedKV | None,
+    config: BlendConfig = BlendConfig(),
+) -> BlendResult:
+    """Prefill ``token_ids`` (1-D, positions ``0..n-1``) reusing ``reused`` KV where given.
+
+    Raises ValueError when shapes disagree or a check layer is past the last layer. Does not
+    modify ``reused``."""
+    if token_ids.dim() != 1 or token_ids.shape[0] == 0:
+        raise ValueError("token_ids: expected a non-empty 1-D tensor")
+    layers = list(model.layers)
+    if config.check_layers[-1] >= len(layers):
+        raise ValueError(f"check layer {config.check_layers[-1]} of a {len(layers)}-layer model")
+    n = token_ids.shape[0]
+    device = token_ids.device
+    if reused is not None:
+        reused.check(n, len(layers))
+        is_reused = reused.mask.to(device).clone()
+    else:
+        is_reused = torch.zeros(n, dtype=torch.bool, device=device)
+    is_reused[-1] = False  # the last token is always recomputed
+    num_reused = int(is_reused.sum())
+    checks = dict(zip(config.check_layers, config.recompute_ratios))
+
+    positions = torch.arange(n, device=device)
+    sel = positions.clone()  # prompt indices of the tokens carried through the layers (sorted)
+    hidden = model.embed(token_ids)
+    out_k: list[torch.Tensor] = []
+    out_v: list[torch.Tensor] = []
+    for li, layer in enumerate(layers):
+        q, k, v = layer.qkv(layer.input_norm(hidden), positions[sel])
+        if sel.shape[0] == n:
+            k_all, v_all = k, v
+        else:
+            assert reused is not None
+            k_all = reused.keys[li].to(device=device, dtype=k.dtype).clone()
+            v_all = reused.values[li].to(device=device, dtype=v.dtype).clone()
+            k_all[sel] = k
+            v_all[sel] = v
+        out_k.append(k_all)
+        out_v.append(v_all)
+        attn = causal_attention(q, k_all, v_all, positions[sel], positions, model.scaling)
+        hidden = hidden + layer.o_proj(attn)
+        hidden = hidden + layer.mlp(layer.post_norm(hidden))
+        if li in checks and num_reused and reused is not None:
+            keep = _select(k, v, reused, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
+            sel, hidden = sel[keep], hidden[keep]
+    normed = model.final_norm(hidden[-1:])
+    recomputed = torch.zeros(n, dtype=torch.bool, device=device)
+    recomputed[sel] = True
+    return BlendResult(out_k, out_v, normed[0], model.logits(normed)[0], recomputed)
+
+
+def _select(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    reused: ReusedKV,
+    layer: int,
+    sel: torch.Tensor,
+    is_reused: torch.Tensor,
+    budget: int,
+) -> torch.Tensor:
+    """Indices into ``sel`` (sorted) of the tokens to keep computing: every token of ``sel``
+    without cached KV, plus the ``budget`` reused ones of ``sel`` whose fresh K/V deviate most
+    from the cached K/V at ``layer``."""
+    cand = is_reused[sel]
+    dev_k = (k.float() - reused.keys[layer].to(k.device)[sel].float()).pow(2).sum(dim=(1, 2))
+    dev_v = (v.float() - reused.values[layer].to(v.device)[sel].float()).pow(2).sum(dim=(1, 2))
+    dev = torch.where(cand, dev_k + dev_v, torch.tensor(-1.0, device=k.device))
+    budget = min(budget, int(cand.sum()))
+    keep = ~cand
+    if budget:
+        keep[torch.topk(dev, budget).indices] = True
+    return torch.nonzero(keep).flatten()
+
+
+def deviation(result: BlendResult, reference: BlendResult, layers: Sequence[int] | None = None) -> float:
+    """Mean squared difference of ``result``'s K and V from ``reference``'s over ``layers``
+    (all by default): the quality measure of a blend against a full prefill."""
+    idx = range(len(reference.keys)) if layers is None else layers
+    total, count = 0.0, 0
+    for li in idx:
+        for a, b in ((result.keys[li], reference.keys[li]), (result.values[li], reference.values[li])):
+            total += float((a.float() - b.float()).pow(2).sum())
+            count += a.numel()
+    return total / max(count, 1)

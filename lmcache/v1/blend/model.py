@@ -1,0 +1,91 @@
+"""The model interface the blender drives, and exact causal attention over positions.
+
+The blender needs a decoder-only, pre-norm transformer taken apart into its steps, so
+that it can run a layer for a *subset* of the tokens while attending over every token's
+KV. :class:`BlendModel` and :class:`BlendLayer` are that interface (structural protocols:
+an adapter implements them without inheriting). Tensors are per sequence, without a batch
+dimension: hidden states ``[n, hidden]``, queries ``[n, num_heads, head_dim]``, keys and
+values ``[n, num_kv_heads, head_dim]``; positions are 1-D int64.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BlendLayer", "BlendModel", "causal_attention"]
+
+
+class BlendLayer(Protocol):
+    """One decoder layer: ``h += o_proj(attn(input_norm(h)))``, then ``h += mlp(post_norm(h))``."""
+
+    def input_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The attention block's input normalisation."""
+        ...
+
+    def qkv(self, normed: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Query, key, value of the tokens at ``positions``, RoPE applied to q and k."""
+        ...
+
+    def o_proj(self, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attention result ``[n, num_heads * head_dim]``."""
+        ...
+
+    def post_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP block's input normalisation."""
+        ...
+
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:
+        """The feed-forward block."""
+        ...
+
+
+class BlendModel(Protocol):
+    """A decoder-only model as the blender sees it."""
+
+    @property
+    def layers(self) -> Sequence[BlendLayer]:
+        """The decoder layers, in order."""
+        ...
+
+    @property
+    def scaling(self) -> float:
+        """Attention score scale (usually ``head_dim ** -0.5``)."""
+        ...
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[n, hidden]`` of 1-D token ids."""
+        ...
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The normalisation after the last layer."""
+        ...
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of final-normed hidden states."""
+        ...
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_positions: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of ``q`` (``[m, Hq, D]``) over ``k``/``v`` (``[n, Hkv, D]``, ``Hq`` a multiple
+    of ``Hkv``): query ``i`` sees key ``j`` iff ``kv_positions[j] <= q_positions[i]`` (exact
+    causal mask by position, so any subset of queries can be computed). Returns ``[m, Hq * D]``."""
+    groups = q.shape[1] // k.shape[1]
+    assert groups * k.shape[1] == q.shape[1], "query heads must be a multiple of KV heads"
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    mask = kv_positions[None, :] <= q_positions[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scaling
+    )
+    return out.transpose(0, 1).reshape(q.shape[0], -1)

@@ -1,0 +1,67 @@
+"""Shared pieces of the blending tests: a tiny random Llama (in memory, float32) and a RAG-like
+prompt whose documents were prefilled on their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lmcache.v1.blend import CachedSegmentKV, ReusedKV, Segment, assemble, full_prefill, split_segments
+from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
+
+SEP = [7, 8, 7]
+"""Separator token ids (stands for the tokenized " # # ")."""
+
+
+def tiny_llama(num_layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A random-weight Llama small enough to run every test on a CPU in well under a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+    )
+    return LlamaForCausalLM(cfg).to(torch.float32).eval()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Scenario:
+    """``prefix`` (uncached) + docs joined by SEP + SEP + question (uncached)."""
+
+    ids: torch.Tensor
+    segments: list[Segment]
+    reused: ReusedKV
+    prefix_len: int
+
+
+def rag_prompt(
+    model: HFLlamaBlendModel, doc_lens: tuple[int, ...] = (40, 30, 50), prefix_len: int = 5, seed: int = 1
+) -> Scenario:
+    """Documents prefilled alone (positions 0..), placed after an uncached prefix, re-rotated."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(n: int) -> list[int]:
+        return torch.randint(10, 256, (n,), generator=gen).tolist()
+
+    prompt = rnd(prefix_len)
+    docs = [rnd(n) for n in doc_lens]
+    for doc in docs:
+        prompt += doc + SEP
+    prompt += rnd(12)
+    segments = split_segments(prompt, SEP)
+    cached = []
+    start = prefix_len
+    for doc in docs:
+        kv = full_prefill(model, torch.tensor(doc))
+        cached.append(CachedSegmentKV(start, kv.keys, kv.values))
+        start += len(doc) + len(SEP)
+    return Scenario(torch.tensor(prompt), segments, assemble(len(prompt), cached, model.rope), prefix_len)
