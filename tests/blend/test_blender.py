@@ -1,0 +1,188 @@
+"""Selective recompute on a tiny random Llama (float32, CPU): ratio 1 is a full prefill, ratio 0
+keeps the cached KV, and more recomputation never moves the KV further from a full prefill."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache.v1.blend import BlendConfig, ReusedKV, blend, deviation, full_prefill
+from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
+from tests.blend.helpers import rag_prompt, tiny_llama
+
+REAL_MODEL = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> torch.nn.Module:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def model(hf_model) -> HFLlamaBlendModel:
+    return HFLlamaBlendModel(hf_model)
+
+
+def hf_prefill(hf_model, ids: torch.Tensor):
+    with torch.no_grad():
+        return hf_model(ids[None], use_cache=True)
+
+
+def greedy(hf_model, cache, first: int, steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``first``, decoding on ``cache`` (an HF cache object)."""
+    out, tok = [first], first
+    with torch.no_grad():
+        for _ in range(steps - 1):
+            res = hf_model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+    return out
+
+
+def test_full_prefill_matches_transformers(hf_model, model):
+    ids = torch.randint(10, 256, (64,), generator=torch.Generator().manual_seed(3))
+    ours, hf = full_prefill(model, ids), hf_prefill(hf_model, ids)
+    for li, layer in enumerate(hf.past_key_values.layers):
+        torch.testing.assert_close(ours.keys[li], layer.keys[0].transpose(0, 1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours.values[li], layer.values[0].transpose(0, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.logits, hf.logits[0, -1], rtol=0, atol=1e-5)
+
+
+def test_ratio_one_reproduces_a_full_prefill_and_its_decode(hf_model, model):
+    from transformers import DynamicCache
+
+    sc = rag_prompt(model)
+    res = blend(model, sc.ids, sc.reused, BlendConfig((1.0,), (1,)))
+    hf = hf_prefill(hf_model, sc.ids)
+    err = 0.0
+    for li, layer in enumerate(hf.past_key_values.layers):
+        err = max(err, float((res.keys[li] - layer.keys[0].transpose(0, 1)).abs().max()))
+        err = max(err, float((res.values[li] - layer.values[0].transpose(0, 1)).abs().max()))
+    assert err < 1e-4
+    assert int(res.logits.argmax()) == int(hf.logits[0, -1].argmax())
+    assert bool(res.recomputed.all())
+
+    cache = DynamicCache()
+    for li, (k, v) in enumerate(zip(res.keys, res.values)):
+        cache.update(k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), li)
+    blended = greedy(hf_model, cache, int(res.logits.argmax()), 32)
+    reference = greedy(hf_model, hf.past_key_values, int(hf.logits[0, -1].argmax()), 32)
+    assert blended == reference
+
+
+def test_ratio_zero_keeps_cached_kv_and_recomputes_the_rest(model):
+    sc = rag_prompt(model)
+    check = 1
+    # rows without cached KV hold NaN: any use of them would poison the result
+    keys = [torch.where(sc.reused.mask[:, None, None], k, torch.nan) for k in sc.reused.keys]
+    values = [torch.where(sc.reused.mask[:, None, None], v, torch.nan) for v in sc.reused.values]
+    reused = ReusedKV(sc.reused.mask, keys, values)
+    res = blend(model, sc.ids, reused, BlendConfig((0.0,), (check,)))
+    ref = full_prefill(model, sc.ids)
+
+    expected = ~sc.reused.mask
+    expected[-1] = True
+    assert torch.equal(res.recomputed, expected)  # prefix, separators, question, last token
+    assert int(expected[: sc.prefix_len].sum()) == sc.prefix_len
+    for li in range(len(res.keys)):
+        assert bool(torch.isfinite(res.keys[li]).all() and torch.isfinite(res.values[li]).all())
+        if li <= check:  # every token ran through these layers
+            torch.testing.assert_close(res.keys[li], ref.keys[li], rtol=0, atol=1e-5)
+        else:
+            kept = sc.reused.mask.clone()
+            kept[-1] = False
+            assert torch.equal(res.keys[li][kept], keys[li][kept])
+            assert torch.equal(res.values[li][kept], values[li][kept])
+    # the tokens before the first document see no cached KV at all: exact
+    for li in range(len(res.keys)):
+        torch.testing.assert_close(res.keys[li][: sc.prefix_len], ref.keys[li][: sc.prefix_len], rtol=0, atol=1e-5)
+
+
+def test_the_last_token_is_recomputed_even_when_cached(model):
+    sc = rag_prompt(model)
+    mask = torch.ones_like(sc.reused.mask)
+    reused = ReusedKV(mask, sc.reused.keys, sc.reused.values)
+    res = blend(model, sc.ids, reused, BlendConfig((0.0,), (1,)))
+    assert res.recomputed.tolist() == [False] * (sc.ids.shape[0] - 1) + [True]
+
+
+def deviations(model, sc, ratios):
+    ref = full_prefill(model, sc.ids)
+    return [deviation(blend(model, sc.ids, sc.reused, BlendConfig((r,), (1,))), ref) for r in ratios]
+
+
+RATIOS = (0.0, 0.05, 0.15, 0.3, 0.6, 1.0)
+
+
+def test_deviation_does_not_grow_with_the_ratio(model):
+    sc = rag_prompt(model)
+    devs = deviations(model, sc, RATIOS)
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(devs, devs[1:])), devs
+    assert devs[2] < devs[0]  # 15 % beats no recompute
+    assert devs[-1] < 1e-10
+
+
+def test_the_selection_budget_per_check_layer(model):
+    sc = rag_prompt(model)
+    reused = sc.reused.mask.clone()
+    reused[-1] = False
+    num_reused = int(reused.sum())
+    res = blend(model, sc.ids, sc.reused, BlendConfig((0.5, 0.15), (1, 2)))
+    assert int(res.recomputed.sum()) == int((~reused).sum()) + math.ceil(0.15 * num_reused)
+    assert bool(res.recomputed[~reused].all())
+    ref = full_prefill(model, sc.ids)
+    single = deviation(blend(model, sc.ids, sc.reused, BlendConfig((0.15,), (1,))), ref)
+    assert deviation(res, ref) <= single * (1 + 1e-6)  # layer 2 recomputed more tokens
+
+
+def test_no_reuse_is_a_full_prefill(model):
+    ids = torch.randint(10, 256, (20,), generator=torch.Generator().manual_seed(5))
+    res = blend(model, ids, None)
+    ref = full_prefill(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(res.keys, ref.keys))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"recompute_ratios": (0.1, 0.2), "check_layers": (1, 2)},  # increasing ratio
+        {"recompute_ratios": (0.1,), "check_layers": (1, 2)},
+        {"recompute_ratios": (1.5,), "check_layers": (1,)},
+        {"recompute_ratios": (0.1, 0.1), "check_layers": (2, 1)},
+        {"recompute_ratios": (), "check_layers": ()},
+    ],
+)
+def test_bad_configs(kwargs):
+    with pytest.raises(ValueError):
+        BlendConfig(**kwargs)
+
+
+def test_bad_inputs(model):
+    sc = rag_prompt(model)
+    with pytest.raises(ValueError, match="check layer"):
+        blend(model, sc.ids, sc.reused, BlendConfig((0.1,), (4,)))
+    with pytest.raises(ValueError):
+        blend(model, sc.ids[:-1], sc.reused)
+    with pytest.raises(ValueError):
+        blend(model, sc.ids, ReusedKV(sc.reused.mask, sc.reused.keys[:2], sc.reused.values[:2]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REAL_MODEL / "config.json").exists(), reason="models/smollm2-135m is not present")
+def test_real_model_ratio_one_and_deviation_order():
+    from transformers import AutoModelForCausalLM
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(REAL_MODEL), dtype=torch.float32).eval()
+    model = HFLlamaBlendModel(hf_model)
+    sc = rag_prompt(model, doc_lens=(60, 40, 50))
+    res = blend(model, sc.ids, sc.reused, BlendConfig((1.0,), (1,)))
+    hf = hf_prefill(hf_model, sc.ids)
+    for li, layer in enumerate(hf.past_key_values.layers):
+        torch.testing.assert_close(res.keys[li], layer.keys[0].transpose(0, 1), rtol=0, atol=1e-3)
+    assert int(res.logits.argmax()) == int(hf.logits[0, -1].argmax())
+    devs = deviations(model, sc, (0.0, 0.15, 0.6))
+    assert devs[0] > devs[1] > devs[2], devs
