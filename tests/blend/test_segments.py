@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmcache.v1.blend.segments import Segment, SegmentKeys, find_separators, split_segments
 from lmcache.v1.config import LMCacheEngineConfig
@@ -109,3 +111,19 @@ def test_extras_and_namespace_separate_segment_keys():
     assert not set(plain) & set(salted)
     other_chunk, _ = make_keys(chunk_size=4)
     assert not set(plain) & {s.key for s in other_chunk.spans(seg)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 7, 8]), max_size=40))
+def test_segments_and_separators_tile_the_prompt(prompt):
+    segs = split_segments(prompt, SEP)
+    cuts = find_separators(prompt, SEP)
+    covered = [False] * len(prompt)
+    for s in segs:
+        assert s.tokens and prompt[s.start : s.end] == list(s.tokens)
+        assert not find_separators(list(s.tokens), SEP)  # no separator inside a segment
+    for piece in [(s.start, s.end) for s in segs] + [(c, c + len(SEP)) for c in cuts]:
+        for i in range(*piece):
+            assert not covered[i]
+            covered[i] = True
+    assert all(covered)
