@@ -213,6 +213,7 @@ def test_matches_fallback_random_shapes(
     check_both_directions(kernels(lib_path, nt=nt), spec, slots, starts, counts, kind, seed=seed)
 
 
+@pytest.mark.slow  # builds the library twice more (capped ISA)
 @pytest.mark.parametrize("isa", ["sse2", "avx2"])
 def test_capped_isa_and_scalar_paths_match(lib_path, tmp_path, isa):
     """LMCACHE_NATIVE_ISA=sse2 (no AVX2) / avx2 (no AVX-512) and a -DLMC_NO_SIMD build (what

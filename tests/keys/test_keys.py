@@ -119,6 +119,7 @@ print(json.dumps([k.to_string() for *_, k in make_db().process_tokens(list(range
 """
 
 
+@pytest.mark.slow  # child processes
 def test_keys_identical_across_processes_and_hash_seeds():
     outs = []
     for seed in ("0", "12345"):
@@ -188,6 +189,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # child processes
 def test_keys_with_extras_identical_across_processes_and_hash_seeds():
     outs = []
     for seed in ("1", "98765"):

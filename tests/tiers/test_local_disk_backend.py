@@ -287,6 +287,7 @@ def gather(kv: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
     return torch.stack([layer.flatten(1, 2)[:, slots] for layer in kv])
 
 
+@pytest.mark.slow  # a second process
 def test_restart_persistence_in_a_new_process(tmp_path):
     """A store in one process is retrieved bit-identical by a new engine in another."""
     root = tmp_path / "cache"

@@ -216,6 +216,7 @@ def test_tls(redis_server_factory, remote_manager):
 
 
 # ---------------------------------------------------------------------- two processes
+@pytest.mark.slow  # a second process
 def test_two_engine_processes_share_one_redis(redis_server, tmp_path):
     kv = store_shared_prompt(redis_server.url)
     report = retrieve_in_fresh_process(redis_server.url, tmp_path / "kv.pt")
