@@ -1,7 +1,9 @@
 """Scheduler-side half of the adapter: lookups, request tracking, connector metadata.
 
 Runs on vLLM's scheduler thread. Lookups block for at most the lookup timeout per
-tensor-parallel rank (see :mod:`.lookup_service`); everything else is bookkeeping.
+tensor-parallel rank (see :mod:`.lookup_service`); everything else is bookkeeping. A
+disaggregated decode (:mod:`.pd`) whose KV has not arrived answers None ("ask again")
+after a 2 ms pause, until ``pd_wait_timeout``.
 Any exception is logged once per kind and answered as "nothing cached", so a broken
 cache makes vLLM compute, never fail.
 

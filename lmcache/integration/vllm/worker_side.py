@@ -24,6 +24,10 @@ one layer; ``wait_for_save`` makes the final call. A request that also loads in 
 same step is stored whole in ``wait_for_save`` instead, once its load is known to be
 complete, so a failed load can never put half-loaded KV into the cache.
 
+Disaggregated prefill (a save marked ``durable``): the step's writes wait for room in the
+remote tier's write budget instead of being dropped, and ``wait_for_save`` returns once
+they are in the remote store (each wait bounded by ``pd_wait_timeout``).
+
 Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
 promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
 (``kv_load_failure_policy="recompute"``) then recomputes them. The request's saves
