@@ -179,6 +179,12 @@ class RedisConnector:
     def scan_keys(self, pattern: str, batch: int = 1000) -> Iterator[list[bytes]]:
         """The keys matching ``pattern`` on every primary, in lists of at most ``batch``
         (SCAN; for tools, not the cache path). Raises RemoteError on failure."""
+        for _client, keys in self._scan_batches(pattern, batch):
+            yield keys
+
+    def _scan_batches(self, pattern: str, batch: int) -> Iterator[tuple[redis.Redis, list[bytes]]]:
+        """``(client of the primary, keys)`` for every batch of at most ``batch`` keys matching
+        ``pattern``, primary by primary (SCAN). Raises RemoteError on failure."""
         self.ping()  # connected, cluster slot map known
         for pool in self._topology.all_pools():
             client = redis.Redis(connection_pool=pool)
@@ -187,10 +193,10 @@ class RedisConnector:
                 for key in client.scan_iter(match=pattern, count=batch):
                     keys.append(key)
                     if len(keys) >= batch:
-                        yield keys
+                        yield client, keys
                         keys = []
                 if keys:
-                    yield keys
+                    yield client, keys
             except redis.RedisError as exc:
                 raise _translate(exc, None) from None
 
@@ -202,18 +208,9 @@ class RedisConnector:
         """``(key, value bytes)`` of every key matching ``pattern`` on every primary
         (SCAN + pipelined STRLEN; for tools such as ``lmcache remote ping``, not the
         cache path). Blocks on I/O; raises RemoteError on failure."""
-        self.ping()  # connected, cluster slot map known
-        for pool in self._topology.all_pools():
-            client = redis.Redis(connection_pool=pool)
+        for client, keys in self._scan_batches(pattern, batch):
             try:
-                keys: list[bytes] = []
-                for key in client.scan_iter(match=pattern, count=batch):
-                    keys.append(key)
-                    if len(keys) >= batch:
-                        yield from self._strlen(client, keys)
-                        keys = []
-                if keys:
-                    yield from self._strlen(client, keys)
+                yield from self._strlen(client, keys)
             except redis.RedisError as exc:
                 raise _translate(exc, None) from None
 
