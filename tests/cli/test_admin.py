@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 pytest.importorskip("fastapi")
@@ -334,3 +336,21 @@ def test_remote_clear_and_registrations_on_a_cluster(redis_cluster) -> None:
         assert client.zrange("lmcache:instances", 0, -1) == [b"e1"]  # "gone" has no record: dropped
     finally:
         store.close()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+_FIELDS = st.sampled_from(["tokens", "prompt", "model", "instance", "ttl", "local", "remote", "x"])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route=st.sampled_from(["/lookup", "/pin", "/clear"]),
+       body=st.one_of(_JSON, st.dictionaries(_FIELDS, _JSON, max_size=4)))  # fmt: skip
+def test_fuzz_bodies_get_an_answer_never_a_server_error_or_the_token(world: World, route: str, body: Any) -> None:
+    client = TestClient(create_app(world.service, TOKEN))
+    res = client.post(route, json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert res.status_code in (200, 404, 422, 502), (res.status_code, res.text)
+    assert TOKEN not in res.text

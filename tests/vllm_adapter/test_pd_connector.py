@@ -10,7 +10,10 @@ import logging
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
 from lmcache.integration.vllm.pd import BadTransferParams, Fingerprint, PDRequest, read_transfer_params
 from lmcache.v1.config import ConfigError
 from tests.remote_fixtures import key, random_obj, remote_of
@@ -208,3 +211,37 @@ def test_prefiller_writes_wait_for_room_instead_of_being_dropped(redis_server, r
     burst(100)
     assert manager.flush(30)
     assert remote.stats.snapshot()[DROPPED] > 0
+
+
+# ---------------------------------------------------------------------- fuzz: hostile kv_transfer_params
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_KEYS = st.sampled_from(["do_remote_decode", "do_remote_prefill", "remote_num_tokens", "lmcache", "disagg_spec", "x"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=st.one_of(_JSON, st.dictionaries(_KEYS, _JSON, max_size=5)))
+def test_fuzz_transfer_params_are_a_pd_request_none_or_a_named_error(params):
+    """Anything a client can send as ``kv_transfer_params``: a valid PD request, None, or
+    BadTransferParams naming ``kv_transfer_params``; never another exception."""
+    try:
+        pd = read_transfer_params(FakeRequest("r", [1], kv_transfer_params=params))
+    except BadTransferParams as exc:
+        assert "kv_transfer_params" in str(exc)
+        return
+    assert pd is None or (isinstance(pd, PDRequest) and pd.send != pd.receive)
+    if pd is not None and pd.expected_tokens is not None:
+        assert isinstance(pd.expected_tokens, int) and pd.expected_tokens >= 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(params=st.dictionaries(_KEYS, _JSON, max_size=5))
+def test_fuzz_planner_serves_any_transfer_params(params):
+    """The planner tracks a request with any ``kv_transfer_params`` (PD on): a hostile value is
+    a normal request, never an exception out of the scheduler side."""
+    planner = RequestPlanner(PlannerConfig(chunk_size=CHUNK, block_size=8, save_unfull_chunk=True, pd=True))
+    tracker = planner.track(FakeRequest("r", list(range(40)), kv_transfer_params=params))
+    assert tracker is not None and (tracker.pd is None or isinstance(tracker.pd, PDRequest))
