@@ -2,7 +2,7 @@
 
 Starts a ``redis-server``, a plain vLLM server (no connector: the single-server
 baseline), a prefiller and a decoder (our connector, ``kv_producer`` / ``kv_consumer``,
-``enable_pd``) and, when ``lmcache proxy`` is available, the proxy in front of the pair.
+``enable_pd``) and ``lmcache proxy`` in front of the pair.
 For each prompt size (``--prompt-tokens``, default 1k and 4k tokens of real text, a
 distinct prompt per measurement so no cache helps) it measures, streamed, greedy:
 
@@ -103,11 +103,6 @@ def start_servers(model_dir: Path, redis_url: str, workdir: Path, args: argparse
 
 
 def start_proxy(servers: dict[str, OpenAIServer], workdir: Path) -> tuple[subprocess.Popen, str] | None:
-    from lmcache.cli import build_parser
-
-    if "proxy" not in build_parser().format_help():
-        print("lmcache proxy is not available in this build: the proxy column is skipped")
-        return None
     port = free_port()
     log = open(workdir / "proxy.log", "w")  # noqa: SIM115 - the process keeps it
     proc = subprocess.Popen([sys.executable, "-m", "lmcache", "proxy", "--prefill", servers["prefiller"].url,
