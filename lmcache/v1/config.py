@@ -157,6 +157,31 @@ def _as_int_list(key: str, value: Any) -> list[int] | None:
     return out
 
 
+def _as_float_list(key: str, value: Any) -> list[float] | None:
+    """A list of finite numbers; a scalar is a one-item list (LMCache accepts both)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "none", "null"):
+            return None
+        try:
+            value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+        except yaml.YAMLError:
+            raise ConfigError(f"{key}={text!r}: expected a number or a list of numbers") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{key}={value!r}: expected a number or a non-empty list of numbers")
+    return [_as_float(key, item) for item in value]
+
+
+def _as_separator(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{key}={value!r}: expected a non-empty separator string (with visible characters)")
+    return value
+
+
 def _as_dict(key: str, value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
@@ -242,6 +267,12 @@ _PARSERS = {
     "pd_proxy_port": _as_int,
     "transfer_channel": _as_channel,
     "pd_wait_timeout": _as_float,
+    "enable_blending": _as_bool,
+    "blend_special_str": _as_separator,
+    "blend_recompute_ratios": _as_float_list,
+    "blend_check_layers": _as_int_list,
+    "blend_min_tokens": _as_int,
+    "blend_thresholds": _as_float_list,
 }
 
 # extra_config keys read by the tiers and the vLLM adapter (see docs/configuration.md);
@@ -324,6 +355,20 @@ class LMCacheEngineConfig:
     pd_wait_timeout: float = 5.0
     """Seconds a decoder waits for KV a prefiller announced, and a prefiller for its writes
     to become durable, before it recomputes (decoder) or answers anyway (prefiller)."""
+    enable_blending: bool = False
+    """CacheBlend (docs/blending.md): documents separated by ``blend_special_str`` are cached
+    on their own and reused at any position of a later prompt, with a selective recompute.
+    The vLLM adapter needs vLLM's prefix caching off."""
+    blend_special_str: str = " # # "
+    """Text between the documents of a prompt (matched on its token ids)."""
+    blend_recompute_ratios: list[float] | None = None
+    """Fraction of the reused tokens recomputed at each check layer (None: ``[0.15]``)."""
+    blend_check_layers: list[int] | None = None
+    """Layers where the deviation of the reused KV is measured (None: ``[1]``)."""
+    blend_min_tokens: int = 256
+    """Prompts shorter than this are not blended (prefix reuse only)."""
+    blend_thresholds: list[float] | None = None
+    """Accepted for LMCache compatibility; not used (the ratios choose what is recomputed)."""
 
     def __repr__(self) -> str:
         """Every field except secrets; ``remote_url`` with its credentials masked."""
@@ -471,6 +516,40 @@ class LMCacheEngineConfig:
                 "when enable_hidden_state_cache is true"
             )
         self._validate_pd()
+        self._validate_blend()
+
+    @property
+    def blend_ratios(self) -> tuple[float, ...]:
+        """``blend_recompute_ratios`` with its default filled in."""
+        return tuple(self.blend_recompute_ratios) if self.blend_recompute_ratios is not None else (0.15,)
+
+    @property
+    def blend_layers(self) -> tuple[int, ...]:
+        """``blend_check_layers`` with its default filled in."""
+        return tuple(self.blend_check_layers) if self.blend_check_layers is not None else (1,)
+
+    def _validate_blend(self) -> None:
+        ratios, layers = self.blend_ratios, self.blend_layers
+        if any(not 0.0 <= r <= 1.0 for r in ratios):
+            raise ConfigError(f"blend_recompute_ratios={list(ratios)!r}: expected numbers between 0 and 1")
+        if any(b > a for a, b in zip(ratios, ratios[1:])):
+            raise ConfigError(f"blend_recompute_ratios={list(ratios)!r}: expected non-increasing ratios")
+        if not layers or any(b <= a for a, b in zip(layers, layers[1:])):
+            raise ConfigError(f"blend_check_layers={list(layers)!r}: expected strictly increasing layer indices")
+        if len(ratios) != len(layers):
+            raise ConfigError(
+                f"blend_recompute_ratios={list(ratios)!r} and blend_check_layers={list(layers)!r}: "
+                "expected one ratio per check layer"
+            )
+        if self.blend_min_tokens < 1:
+            raise ConfigError(f"blend_min_tokens={self.blend_min_tokens!r}: expected an integer >= 1")
+        if self.enable_blending and self.enable_pd:
+            raise ConfigError(
+                "enable_blending=True with enable_pd=True: a blended prompt's KV is an approximation and "
+                "must not be sent to a decoder as the prompt's exact KV; turn one of them off"
+            )
+        if self.blend_thresholds is not None and self.enable_blending:
+            warn_once_unused_thresholds(self.blend_thresholds)
 
     def _validate_pd(self) -> None:
         if self.pd_wait_timeout <= 0:
@@ -513,6 +592,19 @@ class LMCacheEngineConfig:
         if len(paths) == 1:
             return paths[0]
         return paths[_current_device_index() % len(paths)]
+
+
+_warned_thresholds = False
+
+
+def warn_once_unused_thresholds(thresholds: list[float]) -> None:
+    global _warned_thresholds
+    if not _warned_thresholds:
+        _warned_thresholds = True
+        logger.warning(
+            "blend_thresholds=%s is accepted but not used: blend_recompute_ratios chooses the recomputed tokens",
+            thresholds,
+        )
 
 
 def config_keys() -> tuple[str, ...]:

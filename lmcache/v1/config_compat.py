@@ -45,7 +45,6 @@ _INF = math.inf
 _PD = "NIXL peer transfer is not built in: PD moves KV through the remote tier (`enable_pd`, `remote_url`)"
 _P2P = "peer-to-peer KV sharing is not built in; share KV through the remote tier (`remote_url`)"
 _CONTROLLER = "there is no cache controller / LMCache worker process; use the engine API and `stats` counters"
-_BLEND = "CacheBlend (non-prefix reuse) is not supported; only prefix caching"
 _GDS = "GPUDirect Storage is not supported; use the disk tier (`local_disk`, `extra_config.local_disk_o_direct`)"
 _API = "there is no internal API server; read `engine.stats` / the tiers' `stats` in-process"
 _LAZY = "not needed: the CPU pool is always allocated lazily, in slabs, as it fills"
@@ -74,9 +73,13 @@ LMCACHE_056_KEYS: tuple[LMCacheKey, ...] = (
                "the vLLM adapter stores generated tokens' KV block by block (whole chunks without block reuse)"),
     LMCacheKey("pre_caching_hash_algorithm", "builtin", UNSUPPORTED,
                "chunk hashes are always chained 128-bit BLAKE2b, seed-free (see 'Chunk keys' above)"),
-    *_group("enable_blending blend_recompute_ratios blend_thresholds blend_check_layers blend_min_tokens "
-            "blend_special_str",
-            {"enable_blending": False, "blend_min_tokens": 256, "blend_special_str": " # # "}, UNSUPPORTED, _BLEND),
+    LMCacheKey("enable_blending", False, SUPPORTED,
+               "CacheBlend in the vLLM adapter (docs/blending.md); needs vLLM's prefix caching off"),
+    LMCacheKey("blend_special_str", " # # ", SUPPORTED, "matched on its token ids (tokenized without special tokens)"),
+    LMCacheKey("blend_recompute_ratios", None, SUPPORTED, "a number or a list (one per check layer); unset: 0.15"),
+    LMCacheKey("blend_check_layers", None, SUPPORTED, "a layer index or a list; unset: 1"),
+    LMCacheKey("blend_min_tokens", 256, SUPPORTED, "shorter prompts use prefix reuse only"),
+    LMCacheKey("blend_thresholds", None, SUPPORTED, "accepted, unused (warned about): the ratios choose"),
     LMCacheKey("retrieve_locations", None, UNSUPPORTED, "every configured tier is read, L1 first"),
     LMCacheKey("store_location", None, UNSUPPORTED, "stores write through to every configured tier"),
     *_group("enable_p2p p2p_host p2p_init_ports p2p_lookup_ports", {"enable_p2p": False}, UNSUPPORTED, _P2P),
