@@ -214,6 +214,23 @@ METRICS: tuple[MetricDef, ...] = (
         "entry format (computed here; the log line names the field).",
         "scheduler_pd_fingerprint_mismatches",
     ),
+    _c("lmcache_blend_requests", "Prompts whose KV was blended from cached documents (CacheBlend).", "blend_requests"),
+    _c(
+        "lmcache_blend_reused_tokens",
+        "Tokens of blended prompts that kept their cached document KV (not recomputed).",
+        "blend_reused_tokens",
+    ),
+    _c(
+        "lmcache_blend_recomputed_tokens",
+        "Tokens of blended prompts computed through every layer (new text, separators, selected tokens).",
+        "blend_recomputed_tokens",
+    ),
+    _c("lmcache_blend_failures", "Blends that failed; the prompt was recomputed by vLLM.", "blend_failures"),
+    _c(
+        "lmcache_blend_stored_segment_tokens",
+        "Tokens stored under segment keys (documents for later blends).",
+        "blend_stored_segment_tokens",
+    ),
     _c("lmcache_hidden_state_requests", "Hidden-state retrieve requests.", "hidden_retrieve_requests"),
     _c("lmcache_hidden_state_hit_tokens", "Tokens whose hidden states were returned.", "hidden_hit_tokens"),
     _c(
@@ -235,6 +252,7 @@ HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("store", "lmcache_store_seconds", "Seconds per store (bulk mode): hashing, allocation and copy."),
     ("retrieve", "lmcache_retrieve_seconds", "Seconds per load (bulk mode): tier reads and copy into vLLM's KV."),
     ("lookup", "lmcache_lookup_seconds", "Seconds per lookup in the worker that holds the cache."),
+    ("blend", "lmcache_blend_seconds", "Seconds per blend: segment reads, re-rotation and the selective recompute."),
 )
 
 

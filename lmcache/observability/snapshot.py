@@ -14,7 +14,9 @@ Keys (all numbers; counters only grow):
   ``hit_tokens_{cpu,disk,remote}``, ``hit_bytes_{cpu,disk,remote}``,
   ``store_requests``, ``stored_tokens``, ``stored_bytes``, ``store_skipped_chunks``,
   ``evictions``, ``load_errors``;
-* ``{store,retrieve,lookup}_seconds_{count,sum}``;
+* ``blend_requests``, ``blend_reused_tokens``, ``blend_recomputed_tokens``,
+  ``blend_failures``, ``blend_stored_segment_tokens`` (CacheBlend);
+* ``{store,retrieve,lookup,blend}_seconds_{count,sum}``;
 * ``disk_<counter>`` / ``remote_<counter>`` / ``hidden_<counter>``: the tier's own
   counters (:class:`DiskTierStats`, :class:`RemoteStats`, :class:`HiddenStateStats`);
 * ``ec_<counter>``: the encoder cache's counters (:class:`~lmcache.v1.ec_engine.ECStats`:
@@ -70,6 +72,9 @@ PER_REQUEST_KEYS = frozenset(
         "hidden_hit_tokens",
         "hidden_misses",
         "hidden_stored_tokens",
+        "blend_requests",
+        "blend_reused_tokens",
+        "blend_recomputed_tokens",
     }
 )
 EC_PREFIX = "ec_"

@@ -45,6 +45,11 @@ def format_summary(now: Mapping[str, float], before: Mapping[str, float], second
         "loaded " + " / ".join(f"{t} {d(f'hit_tokens_{t}')}" for t in TIERS) + " tokens",
         f"stored {d('stored_tokens')} tokens",
     ]
+    if d("blend_requests"):
+        parts.append(
+            f"blended {d('blend_requests')} prompts ({d('blend_reused_tokens')} tokens reused, "
+            f"{d('blend_recomputed_tokens')} recomputed)"
+        )
     pools = [f"cpu {_gib(now.get('pool_used_bytes_cpu', 0))}/{_gib(now.get('pool_capacity_bytes_cpu', 0))} GiB"]
     if "pool_capacity_bytes_disk" in now:
         pools.append(f"disk {_gib(now['pool_used_bytes_disk'])}/{_gib(now['pool_capacity_bytes_disk'])} GiB")

@@ -141,6 +141,9 @@ class LMCacheEngine:
         """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
         not timed: their generators span the model's forward pass)."""
         self.hidden_state_store = self._make_hidden_state_store()
+        self.segments = self._make_segment_store()
+        """Blending's segment entries (:mod:`lmcache.v1.blend.segment_store`); None unless
+        ``enable_blending`` (and never for MLA models)."""
         self._pins = LookupPins()
         self._closed = False
 
@@ -168,6 +171,29 @@ class LMCacheEngine:
         from lmcache.v1.hidden_state_store import HiddenStateStore
 
         return HiddenStateStore(self.config, self.token_database, self.storage_manager)
+
+    def _make_segment_store(self):
+        if not self.config.enable_blending or self.metadata.use_mla:
+            return None
+        from lmcache.v1.blend.segment_store import SegmentStore
+
+        return SegmentStore(self.metadata, self.token_database, self.storage_manager)
+
+    def lookup_segments(self, tokens: TokenInput, bounds: Sequence[tuple[int, int]], **kwargs: Any) -> list[int]:
+        """For each ``(start, end)`` segment of ``tokens``, the leading tokens whose segment
+        entries are cached (0 for all without blending). Key extras as in :meth:`lookup`."""
+        from lmcache.v1.blend.segments import Segment
+
+        req = self._key_request("lookup_segments", tokens, kwargs)
+        if self.segments is None:
+            return [0] * len(bounds)
+        arr = req.tokens
+        out = []
+        for start, end in bounds:
+            if not 0 <= start < end <= arr.shape[0]:
+                raise ValueError(f"segment ({start}, {end}): expected 0 <= start < end <= {arr.shape[0]}")
+            out.append(self.segments.lookup(Segment(start, end, tuple(arr[start:end].tolist())), req.extras))
+        return out
 
     # ------------------------------------------------------------------ requests
     def _key_request(self, where: str, tokens: TokenInput, kwargs: dict[str, Any]) -> TransferRequest:

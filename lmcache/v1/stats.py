@@ -58,6 +58,16 @@ class CacheStats(Counters):
     lookup_requests: int = 0
     lookup_tokens: int = 0
     lookup_hit_tokens: int = 0
+    blend_requests: int = 0
+    """Prompts whose KV was blended from cached segments (CacheBlend)."""
+    blend_reused_tokens: int = 0
+    """Tokens of blended prompts that kept their cached segment KV."""
+    blend_recomputed_tokens: int = 0
+    """Tokens of blended prompts computed through every layer (new text and selected tokens)."""
+    blend_failures: int = 0
+    """Blends that failed (the prompt was recomputed)."""
+    blend_stored_segment_tokens: int = 0
+    """Tokens stored under segment keys (documents for later blends)."""
     evictions: int = 0
     load_errors: int = 0
     corrupt_entries: int = 0

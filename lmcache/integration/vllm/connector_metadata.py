@@ -50,6 +50,38 @@ class SaveSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class SegmentRef:
+    """A segment (document) of a prompt: tokens ``[start, end)``; ``cached`` leading tokens
+    of it have segment entries (blending, :mod:`lmcache.v1.blend`)."""
+
+    start: int
+    end: int
+    cached: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BlendSpec:
+    """Blend the KV of tokens ``[0, num_tokens)`` from the cached ``segments`` (those with
+    ``cached > 0``) plus a selective recompute, instead of loading an exact prefix."""
+
+    num_tokens: int
+    segments: tuple[SegmentRef, ...]
+
+    @property
+    def reused(self) -> tuple[SegmentRef, ...]:
+        return tuple(s for s in self.segments if s.cached > 0 and s.start < self.num_tokens)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(min(s.cached, self.num_tokens - s.start) for s in self.reused)
+
+    @property
+    def first_reused(self) -> int:
+        """The first token whose KV is not exact (``num_tokens`` when nothing is reused)."""
+        return min((s.start for s in self.reused), default=self.num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
 class ReqMeta:
     """One request's work in one step.
 
@@ -61,6 +93,9 @@ class ReqMeta:
     ``durable``: a decoder waits for this save (disaggregated prefill): the worker's
     writes wait for room instead of being dropped, and ``wait_for_save`` returns once
     they are in the remote store.
+    ``blend``: the load is a blend (tokens ``[0, blend.num_tokens)``), not an exact prefix.
+    ``segment_saves``: segments whose KV is stored under segment keys after this step's
+    forward (the prompt is complete in the paged cache then).
     """
 
     req_id: str
@@ -72,6 +107,8 @@ class ReqMeta:
     key_extras: dict[str, Any] = field(default_factory=dict)
     invalid_block_ids: tuple[int, ...] = ()
     durable: bool = False
+    blend: BlendSpec | None = None
+    segment_saves: tuple[SegmentRef, ...] = ()
 
 
 @dataclass

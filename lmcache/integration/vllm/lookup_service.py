@@ -11,7 +11,9 @@ adapter calls it directly and this service is not used.
 
 Wire format (both directions): ``!II`` header length and payload length, a JSON
 header, then the payload. Requests: ``{"op": "lookup", "extras": {...}}`` with the
-tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "stats"}`` ->
+tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "segments", "segments": [[start, end], ...], "extras": {...}}`` + tokens ->
+``{"cached": [n, ...]}`` (blending: cached leading tokens of each segment's own entries);
+``{"op": "stats"}`` ->
 ``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
 The admin API's ops (served only when the server has a ``WorkerAdmin``,
 :mod:`.worker_admin`): ``{"op": "tiers", "extras"}`` + tokens -> ``{"tiers": {tier: n}}``;
@@ -88,6 +90,23 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 # ------------------------------------------------------------------------ server
 LookupFn = Callable[[np.ndarray, dict[str, Any]], int]
 StatsFn = Callable[[], dict[str, int]]
+SegmentsFn = Callable[[np.ndarray, list[tuple[int, int]], dict[str, Any]], list[int]]
+
+
+def _segment_bounds(value: Any) -> list[tuple[int, int]]:
+    """The ``segments`` field of a request: a list of ``[start, end]`` int pairs."""
+    if not isinstance(value, list) or len(value) > 1 << 16:
+        raise ValueError("segments: expected a list of [start, end] pairs")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in item)
+        ):
+            raise ValueError(f"segments: expected [start, end] int pairs, got {item!r}")
+        out.append((item[0], item[1]))
+    return out
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -126,8 +145,16 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn, admin: WorkerAdmin | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        lookup: LookupFn,
+        stats: StatsFn,
+        admin: WorkerAdmin | None = None,
+        segments: SegmentsFn | None = None,
+    ) -> None:
         self._lookup = lookup
+        self._segments = segments
         self._stats = stats
         self._admin = admin
         self._log_once = LogOnce(logger)
@@ -163,6 +190,10 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         if op == "lookup":
             tokens = np.frombuffer(payload, dtype="<i4")
             return {"hit": int(self._lookup(tokens, dict(header.get("extras") or {})))}
+        if op == "segments" and self._segments is not None:
+            tokens = np.frombuffer(payload, dtype="<i4")
+            bounds = _segment_bounds(header.get("segments"))
+            return {"cached": [int(x) for x in self._segments(tokens, bounds, dict(header.get("extras") or {}))]}
         if op == "stats":
             return {"stats": self._stats()}
         if op == "ping":
@@ -214,7 +245,15 @@ class LookupServer:
     uid is served.
     """
 
-    def __init__(self, path: str, lookup: LookupFn, stats: StatsFn, *, admin: WorkerAdmin | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        lookup: LookupFn,
+        stats: StatsFn,
+        *,
+        admin: WorkerAdmin | None = None,
+        segments: SegmentsFn | None = None,
+    ) -> None:
         self.path = path
         directory = os.path.dirname(path) or "."
         parent = os.path.dirname(directory)
@@ -225,7 +264,7 @@ class LookupServer:
         sweep_stale_sockets(directory, "lookup-")
         if not remove_stale_socket(path):
             raise OSError(errno.EADDRINUSE, f"{path}: a live lookup server already listens there")
-        self._server = _Server(path, lookup, stats, admin)
+        self._server = _Server(path, lookup, stats, admin, segments)
         os.chmod(path, 0o600)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="lmcache-lookup", daemon=True
@@ -315,6 +354,25 @@ class LookupClient:
                     return None
                 hits.append(int(reply["hit"]))
         return min(hits)
+
+    def lookup_segments(
+        self, tokens: Any, bounds: Sequence[tuple[int, int]], extras: dict[str, Any] | None = None
+    ) -> list[int] | None:
+        """Cached leading tokens of each segment, minimum over ranks; None when any rank cannot answer."""
+        payload = tokens_to_array(tokens).tobytes()
+        header = {"op": "segments", "segments": [[int(a), int(b)] for a, b in bounds], "extras": extras or {}}
+        with self._lock:
+            per_rank = []
+            for rank in range(len(self.paths)):
+                reply = self._call(rank, header, payload)
+                if reply is None:
+                    return None
+                cached = reply.get("cached")
+                if not isinstance(cached, list) or len(cached) != len(bounds):
+                    self.last_error = f"rank {rank}: malformed segments reply"
+                    return None
+                per_rank.append([int(x) for x in cached])
+        return [min(col) for col in zip(*per_rank)] if bounds else []
 
     def each_rank(self, header: dict[str, Any], tokens: Any = None) -> list[dict[str, Any] | None]:
         """Send one request to every rank (the admin ops); each rank's reply, None where

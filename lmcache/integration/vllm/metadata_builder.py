@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lmcache.integration.vllm.blend_planner import BlendRules
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
 from lmcache.integration.vllm.pd import Fingerprint
 from lmcache.integration.vllm.naming import default_socket_dir, instance_id, socket_dir_problem
@@ -196,6 +197,8 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         if not config.save_unfull_chunk:
             logger.info("lmcache: enable_pd stores whole prompts, partial last chunk included (save_unfull_chunk)")
             config.save_unfull_chunk = True
+    if config.enable_blending:
+        check_blending(vllm_config, config, use_mla=use_mla, window=kv_groups.window_rule(1) is not None)
     if use_mla and device == "cpu" and not config.save_unfull_chunk:
         logger.info("lmcache: MLA on CPU reuses whole prompts only; storing exact prompt tails (save_unfull_chunk)")
         config.save_unfull_chunk = True
@@ -218,6 +221,72 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         kv_groups=kv_groups,
         save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,
     )
+
+
+BLEND_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""Models whose layers the blender can drive (:mod:`.blend_model`)."""
+
+
+def check_blending(vllm_config: Any, config: LMCacheEngineConfig, *, use_mla: bool, window: bool) -> None:
+    """``enable_blending`` against the vLLM setup: vLLM's prefix caching would share a blended
+    prompt's blocks as exact KV (ConfigError); a model the blender cannot drive turns
+    blending off with one log line (prefix reuse keeps working)."""
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ConfigError(
+            "enable_blending=True: vLLM's prefix caching is on; it would share a blended prompt's blocks "
+            "(an approximation) with later requests as exact KV. Start vLLM with --no-enable-prefix-caching"
+        )
+    hf = getattr(vllm_config.model_config, "hf_config", None)
+    archs = list(getattr(hf, "architectures", None) or [])
+    why = None
+    if use_mla:
+        why = "MLA models keep no separate keys to re-rotate"
+    elif window:
+        why = "sliding-window attention is not supported by the blender"
+    elif int(vllm_config.parallel_config.tensor_parallel_size) != 1:
+        why = "tensor parallelism is not supported by the blender (tensor_parallel_size must be 1)"
+    elif not any(a in BLEND_ARCHITECTURES for a in archs):
+        why = f"architecture {archs or '?'} is not one the blender drives ({', '.join(BLEND_ARCHITECTURES)})"
+    else:
+        rope = getattr(hf, "rope_scaling", None) or getattr(hf, "rope_parameters", None) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
+        if kind not in (None, "default"):
+            why = f"RoPE type {kind!r} cannot be re-rotated exactly (only the default RoPE)"
+    if why is not None:
+        logger.warning("lmcache: enable_blending turned off: %s; prefix reuse keeps working", why)
+        config.enable_blending = False
+
+
+def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | None:
+    """The scheduler's blending rules: ``blend_special_str`` tokenized by the served model's
+    tokenizer without special tokens. None when blending is off or the tokenizer cannot be
+    loaded (logged: blending stays off, prefix reuse keeps working)."""
+    if not config.enable_blending:
+        return None
+    model = vllm_config.model_config
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(
+            getattr(model, "tokenizer", None) or model.model,
+            revision=getattr(model, "tokenizer_revision", None),
+            trust_remote_code=bool(getattr(model, "trust_remote_code", False)),
+        )
+        ids = tuple(int(t) for t in tok.encode(config.blend_special_str, add_special_tokens=False))
+    except Exception as exc:  # noqa: BLE001 - any tokenizer failure: no blending, never a crash
+        logger.warning(
+            "lmcache: enable_blending turned off: cannot tokenize blend_special_str=%r (%s: %s)",
+            config.blend_special_str, type(exc).__name__, exc,
+        )  # fmt: skip
+        return None
+    if not ids:
+        logger.warning("lmcache: enable_blending turned off: blend_special_str=%r has no tokens", config.blend_special_str)
+        return None
+    logger.info(
+        "lmcache: blending on: separator %r = token ids %s, recompute ratios %s at layers %s, prompts >= %d tokens",
+        config.blend_special_str, list(ids), list(config.blend_ratios), list(config.blend_layers), config.blend_min_tokens,
+    )  # fmt: skip
+    return BlendRules(ids, config.blend_min_tokens)
 
 
 def check_pd_role(pd_role: str | None, kv_role: str) -> None:

@@ -40,7 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta, SaveSpec
+from lmcache.integration.vllm.blend_planner import BlendPlanner
+from lmcache.integration.vllm.connector_metadata import BlendSpec, LoadSpec, ReqMeta, SaveSpec, SegmentRef
 from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.pd import BadTransferParams, PDRequest, read_transfer_params
@@ -100,6 +101,18 @@ class RequestTracker:
     """What the request's ``kv_transfer_params`` ask for (disaggregated prefill; ``enable_pd``)."""
     pd_deadline: float | None = None
     """Decoder: monotonic time until which the scheduler side waits for the announced KV."""
+    segments: list[tuple[int, int]] | None = None
+    """Blending: the prompt's segments ``(start, end)`` (split once, on first lookup)."""
+    blend: BlendSpec | None = None
+    """Blending: the blend the last lookup offered (loaded in the step after allocation)."""
+    blended: BlendSpec | None = None
+    """Blending: the blend loaded for the request's current computation (None: exact KV only)."""
+    segments_saved: bool = False
+
+    @property
+    def exact_until(self) -> int | None:
+        """Blending: tokens from here on hold blended (approximate) KV, never stored under prefix keys."""
+        return self.blended.first_reused if self.blended is not None else None
 
     def token_ids(self, n: int) -> np.ndarray:
         return np.asarray(self.request.all_token_ids[:n], dtype=np.int32)
@@ -124,6 +137,8 @@ class PlannerConfig:
     and :meth:`RequestPlanner._plan`)."""
     pd: bool = False
     """Honour ``kv_transfer_params`` (``enable_pd``): a prefiller's saves are made durable."""
+    blend: bool = False
+    """Blending on: complete prompts store their segments; blended prompts store exact chunks only."""
 
 
 class RequestPlanner:
@@ -196,11 +211,17 @@ class RequestPlanner:
             return None  # nothing this short is ever cached
         return list(request.all_token_ids[:n])
 
-    def offer(self, request: Any, num_computed: int, num_hit: int) -> int:
-        """Record a lookup result; returns the external tokens offered to vLLM."""
+    def offer(self, request: Any, num_computed: int, num_hit: int, blend: BlendSpec | None = None) -> int:
+        """Record a lookup result; returns the external tokens offered to vLLM. With
+        ``blend``, every token before ``blend.num_tokens`` is offered (the worker blends them)."""
         tracker = self.track(request)
         if tracker is None:
             return 0
+        tracker.blend = blend
+        if blend is not None:
+            tracker.num_hit = blend.num_tokens
+            tracker.pending_external = 0
+            return max(0, blend.num_tokens - num_computed)
         window = self.config.window
         if window is not None:  # no null blocks: a failed load must stay recomputable
             num_hit = min(num_hit, window.max_admitted)
@@ -271,22 +292,32 @@ class RequestPlanner:
         cfg = self.config
         load = None
         external, tracker.pending_external = tracker.pending_external, 0
+        blend, tracker.blend = (tracker.blend if external else None), None
         if external:
             end = num_computed  # vLLM counts the external tokens as computed already
-            load = LoadSpec(end - external, external, load_length(end, tracker.num_hit, cfg.chunk_size))
+            load_len = blend.num_tokens if blend is not None else load_length(end, tracker.num_hit, cfg.chunk_size)
+            load = LoadSpec(end - external, external, load_len)
+            if blend is not None and (end - external != 0 or external != blend.num_tokens):
+                raise ValueError(f"vLLM took {external} of the {blend.num_tokens} blended tokens after {end - external}")
+            tracker.blended = blend
+        elif num_computed == 0:
+            tracker.blended = None  # computed from scratch (again, after a preemption)
         save = None
         if cfg.enable_save:
             save = save_range(
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
+            if save is not None and tracker.exact_until is not None:
+                save = self._exact_part(save, tracker.exact_until)
+        segment_saves = self._segment_saves(tracker, num_computed + num_scheduled)
         if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
         live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
         if save is not None and save.skip < live:
             save = self._drop_freed(tracker, save, live)
-        if load is None and save is None:
+        if load is None and save is None and not segment_saves:
             return
-        n = max(load.load_len if load else 0, save.end if save else 0)
+        n = max(load.load_len if load else 0, save.end if save else 0, tracker.prompt_len if segment_saves else 0)
         slots = slot_mapping(tracker.block_ids, cfg.block_size, n)
         slots[:live] = -1  # blocks vLLM freed (sliding window): ids we saw may hold other requests' KV now
         self.counters["planned_loads"] += load is not None
@@ -295,9 +326,26 @@ class RequestPlanner:
         out.append(
             ReqMeta(
                 tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras,
-                durable=durable,
+                durable=durable, blend=blend, segment_saves=segment_saves,
             )  # fmt: skip
         )
+
+    def _exact_part(self, save: SaveSpec, exact_until: int) -> SaveSpec | None:
+        """``save`` cut to the whole chunks before ``exact_until`` (a blended prompt: the KV
+        after its first reused token is an approximation, never stored as exact)."""
+        c = self.config.chunk_size
+        end = min(save.end, exact_until - exact_until % c)
+        return SaveSpec(save.skip, end) if end > save.skip else None
+
+    def _segment_saves(self, tracker: RequestTracker, computed_after: int) -> tuple[SegmentRef, ...]:
+        """Blending: the prompt's segments to store, in the step that completes the prompt."""
+        cfg = self.config
+        if not (cfg.blend and cfg.enable_save) or tracker.segments_saved or tracker.segments is None:
+            return ()
+        if computed_after < tracker.prompt_len:
+            return ()
+        tracker.segments_saved = True
+        return BlendPlanner.to_store(tracker.segments, tracker.blended)
 
     def _decode_save(self, tracker: RequestTracker, num_computed: int, num_scheduled: int) -> SaveSpec | None:
         """A decode step's save: the prefix up to the last whole block (block reuse) or chunk

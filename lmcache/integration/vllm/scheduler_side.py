@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
+from lmcache.integration.vllm.blend_planner import BlendPlanner, BlendRules
+from lmcache.integration.vllm.connector_metadata import BlendSpec, LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupClient
 from lmcache.integration.vllm.metadata_builder import AdapterSettings
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner, RequestTracker
@@ -104,6 +105,18 @@ class LookupDispatcher:
         self.used_socket = True
         return self._client.lookup(tokens, extras), None
 
+    def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int]], extras: dict[str, Any]) -> list[int] | None:
+        """Cached leading tokens of each segment's own entries (minimum over ranks); None
+        when no answer can be had."""
+        engines = self._engines()
+        if engines is not None:
+            per = [e.lookup_segments(tokens, bounds, **extras) for e in engines]
+            return [min(col) for col in zip(*per)] if bounds else []
+        if self._client is None:
+            self._client = LookupClient(self.paths, timeout=self.timeout)
+        self.used_socket = True
+        return self._client.lookup_segments(tokens, bounds, extras)
+
     def lookup_again(self, keys: list[Any]) -> int | None:
         """Probe keys from :meth:`lookup_keyed` again; None when the engines changed."""
         engines = self._engines()
@@ -123,8 +136,16 @@ class LookupDispatcher:
 class SchedulerConnector:
     """The scheduler-role methods of ``LMCacheConnectorV1Impl``."""
 
-    def __init__(self, settings: AdapterSettings, *, lookups: LookupDispatcher | None = None) -> None:
+    def __init__(
+        self,
+        settings: AdapterSettings,
+        *,
+        lookups: LookupDispatcher | None = None,
+        blend_rules: BlendRules | None = None,
+    ) -> None:
         self.settings = settings
+        self.blender = BlendPlanner(blend_rules) if blend_rules is not None and settings.config.enable_blending else None
+        """Blending's planner (None: blending off)."""
         self.planner = RequestPlanner(
             PlannerConfig(
                 chunk_size=settings.chunk_size,
@@ -137,6 +158,7 @@ class SchedulerConnector:
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
                 pd=settings.config.enable_pd,
+                blend=self.blender is not None,
             )
         )
         self.fingerprint = settings.fingerprint
@@ -154,6 +176,9 @@ class SchedulerConnector:
             "pd_waits": 0,
             "pd_fallbacks": 0,
             "pd_fingerprint_mismatches": 0,
+            "blend_lookups": 0,
+            "blend_offers": 0,
+            "blend_offered_reused_tokens": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -187,7 +212,8 @@ class SchedulerConnector:
                 hit = self._wait_for_prefiller(tracker, hit)
                 if hit is None:
                     return None
-            offered = self.planner.offer(request, num_computed_tokens, hit)
+            blend = self._plan_blend(request, tracker, num_computed_tokens, hit) if self.blender is not None else None
+            offered = self.planner.offer(request, num_computed_tokens, hit, blend)
             logger.debug(
                 "lmcache: lookup %s: %d of %d tokens cached, %d offered to vLLM",
                 request.request_id, hit, int(getattr(request, "num_tokens", 0)), offered,
@@ -198,6 +224,35 @@ class SchedulerConnector:
             return 0
         self.counters["offered_tokens"] += offered
         return offered
+
+    def _plan_blend(self, request: Any, tracker: RequestTracker | None, num_computed: int, hit: int) -> BlendSpec | None:
+        """The blend to offer instead of the exact ``hit`` (None: no blend). Splits the prompt
+        into segments once (every prompt: its segments are stored when complete)."""
+        blender = self.blender
+        assert blender is not None
+        if tracker is None or tracker.pd is not None:
+            return None
+        prompt = list(request.prompt_token_ids)
+        if tracker.segments is None:
+            tracker.segments = blender.segments(prompt)
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        if n != len(prompt) or not blender.eligible(n, num_computed) or len(tracker.segments) < 1:
+            return None
+        extras = {k: v for k, v in tracker.key_extras.items() if k in KEY_EXTRA_NAMES}
+        self.counters["blend_lookups"] += 1
+        cached = self.lookups.lookup_segments(prompt, tracker.segments, extras)
+        if cached is None:
+            self.warn("blend-lookup", "lmcache: segment lookup unavailable (%s); not blending", self.lookups.last_error)
+            return None
+        spec = blender.plan(n, tracker.segments, cached, hit)
+        if spec is not None:
+            self.counters["blend_offers"] += 1
+            self.counters["blend_offered_reused_tokens"] += spec.reused_tokens
+            logger.debug(
+                "lmcache: blend %s: %d of %d tokens from %d cached segments (exact prefix: %d)",
+                request.request_id, spec.reused_tokens, n, len(spec.reused), hit,
+            )  # fmt: skip
+        return spec
 
     def _wait_for_prefiller(self, tracker: RequestTracker, hit: int) -> int | None:
         """Decoder side of disaggregated prefill: ``hit`` once the tokens the prefiller

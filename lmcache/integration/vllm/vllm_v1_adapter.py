@@ -47,13 +47,14 @@ from typing import Any
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.kv_groups import UnsupportedModelError
 from lmcache.integration.vllm.lookup_service import LookupServer
-from lmcache.integration.vllm.metadata_builder import AdapterSettings, create_engine, settings_from_vllm
+from lmcache.integration.vllm.metadata_builder import AdapterSettings, blend_rules, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.naming import instance_id, socket_path
 from lmcache.integration.vllm.registration import Registration, start_registration
 from lmcache.integration.vllm.stats_registry import process_snapshot
 from lmcache.integration.vllm.worker_admin import WorkerAdmin
+from lmcache.integration.vllm.blend_worker import make_runner
 from lmcache.integration.vllm.worker_side import WorkerConnector
 from lmcache.observability.logs import setup_logging, startup_line
 from lmcache.observability.metrics import StatsDelta
@@ -132,14 +133,18 @@ class LMCacheConnectorV1Impl:
         self.layerwise_storers: list[Any] = []
         if self.is_scheduler:
             _use_recompute_policy(vllm_config)
-            self.scheduler = SchedulerConnector(self.settings)
+            self.scheduler = SchedulerConnector(self.settings, blend_rules=blend_rules(vllm_config, self.settings.config))
             if getattr(parent, "forwards_connector_stats", False):  # PD counters live on this side
                 self.stats_delta = StatsDelta(self.scheduler.snapshot)
         else:
             self.rank = _tp_rank(vllm_config, self.settings.world_size)
             self.engine = create_engine(self.settings, self.rank)
             saves = self.rank == 0 or not self.settings.save_only_first_rank
-            self.worker = WorkerConnector(self.engine, layerwise=self.settings.config.use_layerwise, saves=saves)
+            engine, engine_id = self.engine, self.settings.engine_id
+            runner = (lambda: make_runner(engine, engine_id)) if engine.segments is not None else None
+            self.worker = WorkerConnector(
+                self.engine, layerwise=self.settings.config.use_layerwise, saves=saves, blend_runner=runner
+            )
             self._start_server()
             sockets = [socket_path(self.settings.socket_dir, self.settings.engine_id, r)
                        for r in range(self.settings.world_size)]
@@ -216,10 +221,18 @@ class LMCacheConnectorV1Impl:
             allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
             return engine.lookup(tokens, **allowed)
 
+        def segments(tokens: Any, bounds: list[tuple[int, int]], extras: dict[str, Any]) -> list[int]:
+            if not worker.enabled:
+                return [0] * len(bounds)
+            allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
+            return engine.lookup_segments(tokens, bounds, **allowed)
+
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
             self._admin = WorkerAdmin(engine)
-            self._server = LookupServer(path, lookup, lambda: process_snapshot(engine), admin=self._admin)
+            self._server = LookupServer(
+                path, lookup, lambda: process_snapshot(engine), admin=self._admin, segments=segments
+            )
         except OSError as exc:
             logger.warning(
                 "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",

@@ -42,7 +42,7 @@ released by the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmcache.integration.vllm.blend_worker import BlendRunner
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.layer_order import ordered_layers
@@ -119,8 +120,18 @@ class LayerwiseSteps:
 class WorkerConnector:
     """Loads and saves KV for the requests of each step (see the module docstring)."""
 
-    def __init__(self, engine: LMCacheEngine, *, layerwise: bool, saves: bool = True) -> None:
+    def __init__(
+        self,
+        engine: LMCacheEngine,
+        *,
+        layerwise: bool,
+        saves: bool = True,
+        blend_runner: Callable[[], BlendRunner | None] | None = None,
+    ) -> None:
         self.engine = engine
+        self._make_runner = blend_runner
+        self._runner: BlendRunner | None = None
+        """Blending (:mod:`.blend_worker`), made on first use by ``blend_runner``."""
         self.saves = saves
         """False on tensor-parallel ranks other than 0 with ``save_only_first_rank``: loads only."""
         self.steps: BulkSteps | LayerwiseSteps = LayerwiseSteps() if layerwise else BulkSteps()
@@ -216,7 +227,10 @@ class WorkerConnector:
                     req.req_id,
                 )
             return
-        self.steps.start_loads(self, loads)
+        for req in loads:
+            if req.blend is not None:
+                self._blend(req)
+        self.steps.start_loads(self, [r for r in loads if r.blend is None])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._retrievals or layer_name not in self._layer_set:
@@ -252,6 +266,9 @@ class WorkerConnector:
                 self._store_whole(req)
         if durable:
             self._make_durable(durable)
+        for req in self._reqs:
+            if req.segment_saves and req.req_id not in self._failed:
+                self._store_segments(req)
 
     def _make_durable(self, req_ids: list[str]) -> None:
         """Disaggregated prefill: return only when this step's writes are in the remote store
@@ -383,6 +400,51 @@ class WorkerConnector:
             type(exc).__name__,
             exc,
         )
+
+    # ------------------------------------------------------------------ blending
+    def _blend_runner(self) -> BlendRunner | None:
+        if self._runner is None and self._make_runner is not None:
+            self._runner = self._make_runner()
+            self._make_runner = None  # one try: a model that cannot blend never will
+        return self._runner
+
+    def _blend(self, req: ReqMeta) -> None:
+        """Compute a blended prompt's KV into its blocks (failure: vLLM recomputes them)."""
+        assert req.load is not None and req.blend is not None and self.kvcaches is not None
+        runner = self._blend_runner()
+        if runner is None:
+            self.engine.stats.add(blend_failures=1)
+            self._fail(req, 0, "blend-off", "lmcache: blending unavailable on this worker; recomputing %s", req.req_id)
+            return
+        try:
+            out = runner.run(req, req.blend, self.kvcaches)
+        except Exception as exc:  # noqa: BLE001 - a failed blend is a recompute, never wrong KV kept
+            self.engine.stats.add(blend_failures=1)
+            self._fail(req, 0, "blend", "lmcache: blend of %s failed (%s: %s); recomputing", req.req_id,
+                       type(exc).__name__, exc)  # fmt: skip
+            return
+        self.engine.stats.add(
+            blend_requests=1, blend_reused_tokens=out.reused, blend_recomputed_tokens=out.recomputed
+        )
+        self.engine.latency["blend"].observe(out.seconds)
+        logger.debug(
+            "lmcache: blended %s: %d tokens, %d reused, %d recomputed, %.3f s",
+            req.req_id, out.num_tokens, out.reused, out.recomputed, out.seconds,
+        )  # fmt: skip
+
+    def _store_segments(self, req: ReqMeta) -> None:
+        runner = self._blend_runner()
+        if runner is None or not self._usable():
+            return
+        assert self.kvcaches is not None
+        try:
+            stored = runner.store_segments(req, req.segment_saves, self.kvcaches)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            self.warn("segment-save", "lmcache: storing the segments of %s failed (%s: %s); skipped", req.req_id,
+                      type(exc).__name__, exc)  # fmt: skip
+            return
+        if stored:
+            self.engine.stats.add(blend_stored_segment_tokens=stored)
 
     # ------------------------------------------------------------------ saves
     def _save_args(self, req: ReqMeta) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:

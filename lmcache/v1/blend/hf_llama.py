@@ -72,6 +72,14 @@ class HFLlamaBlendModel:
     def scaling(self) -> float:
         return self._scaling
 
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def rerotate(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Keys computed at positions ``old`` moved to ``new`` (:meth:`RopeSpec.rerotate`)."""
+        return self.rope.rerotate(keys, old, new)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._model.model.embed_tokens(token_ids)
 

@@ -9,13 +9,18 @@ of the prompt where the segment now sits, re-rotating the keys to those position
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from lmcache.v1.blend.rope import RopeSpec
+__all__ = ["CachedSegmentKV", "Rerotator", "ReusedKV", "assemble"]
 
-__all__ = ["CachedSegmentKV", "ReusedKV", "assemble"]
+
+class Rerotator(Protocol):
+    """Moves keys computed at ``old`` positions to ``new`` positions (a :class:`~.rope.RopeSpec`,
+    or an engine adapter using the model's own rotary tables)."""
+
+    def rerotate(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,7 +60,7 @@ class CachedSegmentKV:
         return self.keys[0].shape[0]
 
 
-def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: RopeSpec) -> ReusedKV:
+def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotator) -> ReusedKV:
     """The :class:`ReusedKV` of a ``num_tokens`` prompt holding ``segments`` (new tensors;
     the segments' tensors are only read). Raises ValueError for overlapping segments, one
     past the prompt's end, or layer counts/shapes that disagree."""

