@@ -321,6 +321,22 @@ def test_register_with_blending_off_leaves_vllm_untouched(monkeypatch):
     assert vars(loader)["load_model"] is before
 
 
+def test_blending_enabled_reads_the_config(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv(blend_plugin.ENABLE_ENV, raising=False)
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    assert not blend_plugin.blending_enabled()
+    for value, expected in (("1", True), ("TRUE", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv(blend_plugin.ENABLE_ENV, value)
+        assert blend_plugin.blending_enabled() is expected, value
+    monkeypatch.delenv(blend_plugin.ENABLE_ENV)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_size: -3\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(bad))
+    with caplog.at_level(logging.WARNING, logger=blend_plugin.__name__):
+        assert not blend_plugin.blending_enabled()
+    assert any("does not load" in r.getMessage() for r in caplog.records)
+
+
 def test_register_wraps_once_and_unregister_restores(monkeypatch):
     loader = _base_loader()
     before = vars(loader)["load_model"]

@@ -41,12 +41,26 @@ _wrapped: list[type] = []
 
 def blending_enabled() -> bool:
     """``LMCACHE_ENABLE_BLENDING`` truthy, else ``enable_blending`` of the lmcache config
-    (``LMCacheEngineConfig.load()``: file named by ``LMCACHE_CONFIG_FILE``, then env)."""
+    (``LMCacheEngineConfig.load()``: file named by ``LMCACHE_CONFIG_FILE``, then env).
+
+    The config's own warnings (unknown or unsupported keys) are muted here: vLLM runs the
+    plugin in processes that never build a connector, and the connector reports them. A
+    config that does not load counts as blending off (one warning; the connector raises)."""
     if os.environ.get(ENABLE_ENV, "").strip().lower() in _TRUE:
         return True
-    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 
-    return bool(getattr(LMCacheEngineConfig.load(), "enable_blending", False))
+    config_logger = logging.getLogger(LMCacheEngineConfig.__module__)
+    level = config_logger.level
+    config_logger.setLevel(logging.ERROR)
+    try:
+        cfg = LMCacheEngineConfig.load()
+    except ConfigError as exc:
+        logger.warning("blend: the lmcache config does not load (%s); blending off", exc)
+        return False
+    finally:
+        config_logger.setLevel(level)
+    return bool(getattr(cfg, "enable_blending", False))
 
 
 def instance_id_of(vllm_config: Any) -> str:
