@@ -329,6 +329,10 @@ def test_blending_enabled_reads_the_config(monkeypatch, tmp_path, caplog):
         monkeypatch.setenv(blend_plugin.ENABLE_ENV, value)
         assert blend_plugin.blending_enabled() is expected, value
     monkeypatch.delenv(blend_plugin.ENABLE_ENV)
+    good = tmp_path / "on.yaml"
+    good.write_text("enable_blending: true\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(good))
+    assert blend_plugin.blending_enabled()
     bad = tmp_path / "bad.yaml"
     bad.write_text("chunk_size: -3\n")
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(bad))
