@@ -3,8 +3,9 @@ store prompts' segments under segment keys.
 
 Runs on the worker thread, inside ``start_load_kv`` (blends) and ``wait_for_save``
 (segment stores), blocking; vLLM 0.32 has no per-token recompute hook, so a blend runs
-before the forward pass: it reads the reused segments' entries, moves their keys to the
-segments' new positions with the model's own rotary tables, runs the selective recompute
+before the forward pass: it reads the reused segments' entries and moves their keys to the
+segments' new positions with the model's own rotary tables (on a reader thread, while the
+layers before the first check layer run: they need no cached KV), runs the selective recompute
 (:func:`lmcache.v1.blend.blend`) through the served model's layers (:mod:`.blend_model`),
 and writes the KV of tokens ``[0, num_tokens)`` into the request's blocks. vLLM then
 computes only the last token, attending over that KV.
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from lmcache.integration.vllm.connector_metadata import BlendSpec, ReqMeta, SegmentRef
-from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend
+from lmcache.v1.blend import BlendConfig, CachedSegmentKV, ReusedKV, assemble, blend
 from lmcache.v1.blend.segments import Segment
 from lmcache.v1.blend.segment_store import SegmentStore
 from lmcache.v1.gpu_connector.layouts import component_tensors
@@ -59,6 +61,8 @@ class BlendRunner:
         self.model = model
         self.store = store
         self.config = config
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-blend-read")
+        """Reads a blend's segments while its first layers run (one blend at a time)."""
 
     # ------------------------------------------------------------------ blends
     def run(self, req: ReqMeta, spec: BlendSpec, kvcaches: Sequence[torch.Tensor]) -> BlendOutcome:
@@ -73,17 +77,21 @@ class BlendRunner:
         extras = KeyExtras.from_kwargs(dict(req.key_extras))
         tokens = req.token_ids[:n]
         device = kvcaches[0].device
-        pieces = [p for p in (self._read(tokens, ref, n, extras, device) for ref in spec.reused) if p is not None]
+        # the segments are read (and their keys moved) while the layers before the first check
+        # layer run: those need no cached KV
+        reading = self._reader.submit(self._reused, tokens, spec, extras, device)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        if pieces:
-            reused = assemble(n, pieces, self.model)
-            result = blend(self.model, ids, reused, self.config)
-            kept = int((reused.mask.to(result.recomputed.device) & ~result.recomputed).sum())
-        else:  # nothing could be read: a plain prefill of the tokens
-            result = blend(self.model, ids, None, self.config)
-            kept = 0
+        result = blend(self.model, ids, reading.result, self.config)
+        reused = reading.result()  # resolved by the blend's first check layer
+        kept = int((reused.mask.to(result.recomputed.device) & ~result.recomputed).sum()) if reused is not None else 0
         self._write(kvcaches, slots, result.keys, result.values)
         return BlendOutcome(n, kept, n - kept, time.perf_counter() - t0)
+
+    def _reused(self, tokens: Any, spec: BlendSpec, extras: KeyExtras, device: torch.device) -> ReusedKV | None:
+        """The cached segments placed at their positions (None when none could be read)."""
+        n = spec.num_tokens
+        pieces = [p for p in (self._read(tokens, ref, n, extras, device) for ref in spec.reused) if p is not None]
+        return assemble(n, pieces, self.model) if pieces else None
 
     def _read(
         self, tokens: Any, ref: SegmentRef, limit: int, extras: KeyExtras, device: torch.device

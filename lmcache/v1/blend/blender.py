@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -86,13 +86,16 @@ def full_prefill(model: BlendModel, token_ids: torch.Tensor) -> BlendResult:
 def blend(
     model: BlendModel,
     token_ids: torch.Tensor,
-    reused: ReusedKV | None,
+    reused: ReusedKV | Callable[[], ReusedKV | None] | None,
     config: BlendConfig = BlendConfig(),
 ) -> BlendResult:
     """Prefill ``token_ids`` (1-D, positions ``0..n-1``) reusing ``reused`` KV where given.
 
-    Raises ValueError when shapes disagree or a check layer is past the last layer. Does not
-    modify ``reused``."""
+    ``reused`` may be a function returning it (or None): it is called once, when the first
+    check layer needs the cached KV, so that reading it overlaps with the layers before
+    (they run for every token and need none). Raises ValueError when shapes disagree or a
+    check layer is past the last layer; an exception of the function propagates. Does not
+    modify the cached KV."""
     if token_ids.dim() != 1 or token_ids.shape[0] == 0:
         raise ValueError("token_ids: expected a non-empty 1-D tensor")
     layers = list(model.layers)
@@ -100,13 +103,9 @@ def blend(
         raise ValueError(f"check layer {config.check_layers[-1]} of a {len(layers)}-layer model")
     n = token_ids.shape[0]
     device = token_ids.device
-    if reused is not None:
-        reused.check(n, len(layers))
-        is_reused = reused.mask.to(device).clone()
-    else:
-        is_reused = torch.zeros(n, dtype=torch.bool, device=device)
-    is_reused[-1] = False  # the last token is always recomputed
-    num_reused = int(is_reused.sum())
+    pending = reused if callable(reused) else None
+    cached: ReusedKV | None = None if pending is not None else reused  # type: ignore[assignment]
+    is_reused, num_reused = _reused_mask(cached, n, len(layers), device)
     checks = dict(zip(config.check_layers, config.recompute_ratios))
 
     positions = torch.arange(n, device=device)
@@ -119,9 +118,9 @@ def blend(
         if sel.shape[0] == n:
             k_all, v_all = k, v
         else:
-            assert reused is not None
-            k_all = reused.keys[li].to(device=device, dtype=k.dtype).clone()
-            v_all = reused.values[li].to(device=device, dtype=v.dtype).clone()
+            assert cached is not None
+            k_all = cached.keys[li].to(device=device, dtype=k.dtype).clone()
+            v_all = cached.values[li].to(device=device, dtype=v.dtype).clone()
             k_all[sel] = k
             v_all[sel] = v
         out_k.append(k_all)
@@ -129,13 +128,26 @@ def blend(
         attn = causal_attention(q, k_all, v_all, positions[sel], positions, model.scaling)
         hidden = hidden + layer.o_proj(attn)
         hidden = hidden + layer.mlp(layer.post_norm(hidden))
-        if li in checks and num_reused and reused is not None:
-            keep = _select(k, v, reused, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
+        if li in checks and pending is not None:
+            cached, pending = pending(), None
+            is_reused, num_reused = _reused_mask(cached, n, len(layers), device)
+        if li in checks and num_reused and cached is not None:
+            keep = _select(k, v, cached, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
             sel, hidden = sel[keep], hidden[keep]
     normed = model.final_norm(hidden[-1:])
     recomputed = torch.zeros(n, dtype=torch.bool, device=device)
     recomputed[sel] = True
     return BlendResult(out_k, out_v, normed[0], model.logits(normed)[0], recomputed)
+
+
+def _reused_mask(reused: ReusedKV | None, n: int, num_layers: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Which tokens have cached KV (never the last one, always recomputed), and how many."""
+    if reused is None:
+        return torch.zeros(n, dtype=torch.bool, device=device), 0
+    reused.check(n, num_layers)
+    mask = reused.mask.to(device).clone()
+    mask[-1] = False
+    return mask, int(mask.sum())
 
 
 def _select(

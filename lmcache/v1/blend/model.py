@@ -84,8 +84,17 @@ def causal_attention(
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    mask = kv_positions[None, :] <= q_positions[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scaling
-    )
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    # [1, heads, tokens, dim]: the batched layout takes torch's fused CPU/GPU kernels
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if q_positions.shape == kv_positions.shape and torch.equal(q_positions, kv_positions) and _increasing(kv_positions):
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling)
+    else:
+        allowed = kv_positions[None, :] <= q_positions[:, None]
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias[None, None], scale=scaling)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def _increasing(positions: torch.Tensor) -> bool:
+    """Strictly increasing positions: index order is position order (a plain causal mask)."""
+    return positions.shape[0] < 2 or bool((positions[1:] > positions[:-1]).all())
