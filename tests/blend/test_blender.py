@@ -186,3 +186,23 @@ def test_real_model_ratio_one_and_deviation_order():
     assert int(res.logits.argmax()) == int(hf.logits[0, -1].argmax())
     devs = deviations(model, sc, (0.0, 0.15, 0.6))
     assert devs[0] > devs[1] > devs[2], devs
+
+
+def test_cached_kv_given_late_is_read_once_at_the_first_check_layer(model):
+    sc = rag_prompt(model)
+    calls = []
+
+    def late():
+        calls.append(1)
+        return sc.reused
+
+    cfg = BlendConfig((0.3, 0.1), (1, 2))
+    eager = blend(model, sc.ids, sc.reused, cfg)
+    lazy = blend(model, sc.ids, late, cfg)
+    assert calls == [1]
+    assert torch.equal(eager.recomputed, lazy.recomputed)
+    for a, b in zip(eager.keys + eager.values, lazy.keys + lazy.values):
+        assert torch.equal(a, b)
+    nothing = blend(model, sc.ids, lambda: None, cfg)  # nothing could be read: a full prefill
+    assert bool(nothing.recomputed.all())
+    torch.testing.assert_close(nothing.logits, full_prefill(model, sc.ids).logits)
