@@ -364,6 +364,22 @@ def test_separator_at_the_end_and_all_documents_reordered(mini, model):
     torch.testing.assert_close(out["kv_after_load"][0][0], want.keys[0], atol=1e-5, rtol=1e-5)
 
 
+def test_blending_with_the_layerwise_path(tmp_path, model, monkeypatch):
+    m = MiniBlendVLLM(str(tmp_path), model, monkeypatch, extra={"lmcache.use_layerwise": True})
+    try:
+        precache(m)
+        prompt, starts = rag([1, 2, 0])
+        out = m.serve(FakeRequest("rag", prompt))
+        assert out["external"] == len(prompt) - 1 and not out["errors"]
+        want = expected_blend(model, prompt, dict(zip([1, 2, 0], starts)), len(prompt) - 1)
+        torch.testing.assert_close(out["kv_after_load"][1][3], want.values[3], atol=1e-5, rtol=1e-5)
+        assert m.engine.stats.blend_requests == 1
+        exact = m.serve(FakeRequest("exact", list(DOCS[0]) + [5, 6]))  # the layerwise prefix path still loads
+        assert exact["external"] >= 2 * CHUNK and not exact["errors"]
+    finally:
+        m.close()
+
+
 def test_prefix_caching_with_blending_is_refused(tmp_path, model, monkeypatch):
     from lmcache.v1.config import ConfigError
 

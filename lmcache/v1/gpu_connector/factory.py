@@ -25,14 +25,15 @@ def create_gpu_connector(
 
     ``use_layerwise: false`` -> :class:`VLLMPagedMemGPUConnectorV2` (bulk);
     ``use_layerwise: true`` -> :class:`VLLMPagedMemLayerwiseGPUConnector`, or
-    :class:`VLLMBufferLayerwiseGPUConnector` when ``extra_config`` sets ``use_gpu`` or
-    ``enable_blending`` true (:class:`~.options.ConnectorOptions`; a value that is not a
-    boolean raises ConfigError). The caller owns the returned connector.
+    :class:`VLLMBufferLayerwiseGPUConnector` when ``enable_blending`` is on (the top-level
+    key) or ``extra_config`` sets ``use_gpu`` or ``enable_blending`` true
+    (:class:`~.options.ConnectorOptions`; a value that is not a boolean raises ConfigError).
+    The caller owns the returned connector.
     """
     args = (hidden_dim_size, num_layers)
     kw = dict(chunk_size=config.chunk_size, dtype=dtype, device=device, use_mla=use_mla, layout=layout)
     if not config.use_layerwise:
         return VLLMPagedMemGPUConnectorV2(*args, **kw)
-    if ConnectorOptions.from_config(config).buffered:  # typed: "false" is False, a bad value a ConfigError
+    if ConnectorOptions.from_config(config).buffered or config.enable_blending:  # typed: "false" is False, a bad value a ConfigError
         return VLLMBufferLayerwiseGPUConnector(*args, **kw)
     return VLLMPagedMemLayerwiseGPUConnector(*args, **kw)

@@ -16,7 +16,7 @@ class ConnectorOptions:
         False, "use_gpu", "with `use_layerwise`: use `VLLMBufferLayerwiseGPUConnector` (LMCache's GPU-buffer variant)"
     )
     enable_blending: bool = option(
-        False, "enable_blending", "with `use_layerwise`: same choice as `use_gpu` (CacheBlend itself is not supported)"
+        False, "enable_blending", "with `use_layerwise`: same choice as `use_gpu` (the top-level `enable_blending` makes it too)"
     )
 
     @property
