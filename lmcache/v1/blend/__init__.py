@@ -1,13 +1,14 @@
 """CacheBlend core: reuse separately cached documents' KV anywhere in a prompt.
 
-Pure torch, no inference-engine import (the vLLM integration is not written yet; see
-docs/blending.md):
+Pure torch, no inference-engine import (the vLLM side is in
+``lmcache/integration/vllm/blend_*.py``; see docs/blending.md):
 
 * :mod:`.rope`      standard RoPE: apply it, re-rotate cached keys to new positions
 * :mod:`.segments`  split a prompt on a separator's token ids; position-free segment keys
 * :mod:`.reused`    cached segments' KV placed (and re-rotated) into a new prompt
 * :mod:`.model`     the layer-by-layer model interface and exact causal attention
 * :mod:`.blender`   the selective recompute (check layer, top-ratio deviation)
+* :mod:`.segment_store` segments' KV in the engine's tiers, under position-free keys
 * :mod:`.hf_llama`  adapter for Hugging Face Llama-family models
 """
 
