@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lmcache.integration.vllm import blend_worker, vllm_v1_adapter
 from lmcache.integration.vllm.blend_planner import BlendPlanner, BlendRules
@@ -257,6 +259,32 @@ def test_plan_blends_only_when_segments_beat_the_exact_prefix():
     assert [(r.start, r.end) for r in BlendPlanner.to_store(bounds, partial)] == [(0, 10), (13, 40)]
 
 
+@given(
+    lens=st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    gaps=st.lists(st.integers(0, 5), min_size=7, max_size=7),
+    frac=st.lists(st.floats(0, 1.5), min_size=6, max_size=6),
+    exact=st.integers(0, 400),
+)
+@settings(max_examples=200, deadline=None)
+def test_plan_invariants(lens, gaps, frac, exact):
+    bounds, pos = [], gaps[0]
+    for i, n in enumerate(lens):
+        bounds.append((pos, pos + n))
+        pos += n + gaps[i + 1]
+    total = pos + 1
+    cached = [int(f * (b - a)) for f, (a, b) in zip(frac, bounds)]
+    spec = BlendPlanner.plan(total, bounds, cached, exact)
+    if spec is None:
+        return
+    assert spec.num_tokens == total - 1  # the last token is always vLLM's
+    assert min(exact, spec.num_tokens) < spec.reused_tokens <= spec.num_tokens
+    assert all(0 < s.cached <= s.end - s.start for s in spec.reused)
+    assert spec.first_reused == min(s.start for s in spec.reused)
+    stored = BlendPlanner.to_store(bounds, spec)
+    for s in spec.segments:  # a segment is stored unless it was reused whole
+        assert ((s.start, s.end) in {(r.start, r.end) for r in stored}) == (s.cached < s.end - s.start)
+
+
 # ============================================================================ end to end
 def test_documents_sent_alone_are_blended_in_another_order(mini, model):
     precache(mini)
@@ -421,3 +449,28 @@ def test_segment_lookups_over_the_worker_socket(mini):
         assert client.lookup_segments(prompt, bounds) is not None  # the server still serves
     finally:
         client.close()
+
+
+def test_a_corrupt_segment_entry_is_not_reused(mini, model):
+    """An entry of the wrong shape under a segment key (as a corrupted or foreign entry would
+    read) stops that segment's read: its tokens are recomputed, the other documents reused."""
+    from lmcache.v1.memory_management import MemoryFormat
+
+    precache(mini)
+    prompt, starts = rag([0, 1, 2])
+
+    def corrupt_doc1() -> None:
+        span = mini.engine.segments.spans(Segment(0, len(DOCS[1]), tuple(DOCS[1])))[0]
+        sm = mini.engine.storage_manager
+        sm.remove(span.key)
+        bad = sm.allocate((2, LAYERS, 3, 32), torch.float32, MemoryFormat.KV_2LTD)
+        bad.tensor.fill_(float("nan"))
+        sm.put(span.key, bad)
+        bad.ref_count_down()
+
+    out = mini.serve(FakeRequest("rag", prompt), before_load=corrupt_doc1)
+    assert not out["errors"] and mini.engine.stats.blend_failures == 0
+    want = expected_blend(model, prompt, {0: starts[0], 2: starts[2]}, len(prompt) - 1)
+    for li in range(LAYERS):
+        torch.testing.assert_close(out["kv_after_load"][0][li], want.keys[li], atol=1e-5, rtol=1e-5)
+    assert all(bool(torch.isfinite(k).all()) for k in out["kv_after_load"][0])
