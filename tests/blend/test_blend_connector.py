@@ -408,6 +408,33 @@ def test_blending_with_the_layerwise_path(tmp_path, model, monkeypatch):
         m.close()
 
 
+def test_a_blended_prompt_never_stores_prefix_entries_past_its_first_reused_token():
+    """Neither its prompt chunks nor (``save_decode_cache``) its generated tokens: they attend
+    to blended KV. Segment saves come once, in the step that completes the prompt."""
+    from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
+
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK, save_decode=True, blend=True))
+    prompt, starts = rag([2, 1, 0], prefix=20)
+    n = len(prompt)
+    req = FakeRequest("r", prompt)
+    tracker = planner.track(req)
+    tracker.segments = BlendPlanner(BlendRules(tuple(SEP))).segments(prompt)
+    spec = BlendPlanner.plan(n, tracker.segments, [0, 50, 35, 40, 0], 0)
+    assert planner.offer(req, 0, 0, spec) == n - 1
+    planner.on_alloc(req, n - 1)
+    blocks = list(range(-(-(n + 3 * CHUNK) // BLOCK)))
+    limit = starts[0] - starts[0] % CHUNK
+    (meta,) = planner.build(sched_output("r", blocks, n - 1, 1, new=True))
+    assert meta.blend == spec and meta.load.num_external == n - 1
+    assert limit == CHUNK and meta.save is not None and meta.save.end == limit  # exact chunks only
+    assert {(s.start, s.end) for s in meta.segment_saves} == {tracker.segments[0], tracker.segments[-1]}
+    req.output = rnd(3 * CHUNK, 5)
+    for step in range(1, 3 * CHUNK):
+        for m in planner.build(sched_output("r", blocks, n + step - 1, 1, new=False)):
+            assert m.save is None or m.save.end <= limit
+            assert not m.segment_saves and m.blend is None
+
+
 def test_prefix_caching_with_blending_is_refused(tmp_path, model, monkeypatch):
     from lmcache.v1.config import ConfigError
 

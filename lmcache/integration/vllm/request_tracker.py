@@ -307,11 +307,14 @@ class RequestPlanner:
             save = save_range(
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
-            if save is not None and tracker.exact_until is not None:
-                save = self._exact_part(save, tracker.exact_until)
         segment_saves = self._segment_saves(tracker, num_computed + num_scheduled)
         if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
+        if tracker.exact_until is not None:
+            if blend is not None and cfg.enable_save:  # the blend computed the tokens before its first reused one
+                save = SaveSpec(0, tracker.exact_until)  # exactly: they are stored as a prefix (cut below)
+            if save is not None:
+                save = self._exact_part(save, tracker.exact_until)
         live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
         if save is not None and save.skip < live:
             save = self._drop_freed(tracker, save, live)
