@@ -28,6 +28,11 @@ Disaggregated prefill (a save marked ``durable``): the step's writes wait for ro
 remote tier's write budget instead of being dropped, and ``wait_for_save`` returns once
 they are in the remote store (each wait bounded by ``pd_wait_timeout``).
 
+Blending (``enable_blending``, :mod:`.blend_worker`): a load marked ``blend`` is computed,
+not retrieved, in ``start_load_kv`` (both modes): the cached segments are read and the
+selective recompute runs through the served model's layers before the forward; a step's
+``segment_saves`` are stored under segment keys at the end of ``wait_for_save``.
+
 Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
 promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
 (``kv_load_failure_policy="recompute"``) then recomputes them. The request's saves
@@ -203,7 +208,7 @@ class WorkerConnector:
         self._close_generators()
         self._reqs = list(metadata.requests) if isinstance(metadata, LMCacheConnectorMetadata) else []
         if not self.saves:
-            self._reqs = [replace(r, save=None) if r.save is not None else r for r in self._reqs]
+            self._reqs = [replace(r, save=None, segment_saves=()) for r in self._reqs]
         self._failed = set()
         for req in self._reqs:
             if req.invalid_block_ids:
