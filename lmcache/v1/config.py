@@ -134,7 +134,8 @@ def _as_opt_str(key: str, value: Any) -> str | None:
     raise ConfigError(f"{key}={value!r}: expected a string or null")
 
 
-def _as_int_list(key: str, value: Any) -> list[int] | None:
+def _as_list(key: str, value: Any, expected: str) -> list[Any] | None:
+    """A YAML list, a bare comma-separated string or a scalar as a list; None for null."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -144,36 +145,32 @@ def _as_int_list(key: str, value: Any) -> list[int] | None:
         try:
             value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
         except yaml.YAMLError:
-            raise ConfigError(f"{key}={text!r}: expected a list of non-negative integers") from None
-    if isinstance(value, int) and not isinstance(value, bool):
+            raise ConfigError(f"{key}={text!r}: expected {expected}") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key}={value!r}: expected a list of non-negative integers")
-    out = []
-    for item in value:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+    return list(value)
+
+
+def _as_int_list(key: str, value: Any) -> list[int] | None:
+    items = _as_list(key, value, "a list of non-negative integers")
+    if items is None:
+        return None
+    for item in items:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise ConfigError(f"{key}={value!r}: expected a list of non-negative integers, got item {item!r}")
-        out.append(item)
-    return out
+    return items
 
 
 def _as_float_list(key: str, value: Any) -> list[float] | None:
     """A list of finite numbers; a scalar is a one-item list (LMCache accepts both)."""
-    if value is None:
+    items = _as_list(key, value, "a number or a list of numbers")
+    if items is None:
         return None
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("", "none", "null"):
-            return None
-        try:
-            value = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
-        except yaml.YAMLError:
-            raise ConfigError(f"{key}={text!r}: expected a number or a list of numbers") from None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not value:
+    if not items:
         raise ConfigError(f"{key}={value!r}: expected a number or a non-empty list of numbers")
-    return [_as_float(key, item) for item in value]
+    return [_as_float(key, item) for item in items]
 
 
 def _as_separator(key: str, value: Any) -> str:
