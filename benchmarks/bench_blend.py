@@ -1,7 +1,8 @@
-"""CacheBlend core (lmcache.v1.blend), pure torch on the CPU: quality and time of a blend.
+"""CacheBlend: the pure-torch core (``core``, the default) or blending through vLLM's server (``serving``).
 
-A RAG-like prompt (a short uncached prefix, documents prefilled on their own and joined
-by a separator, a question) is blended at several recompute ratios and compared with a
+``core``: lmcache.v1.blend on the CPU, quality and time of a blend. A RAG-like prompt (a
+short uncached prefix, documents prefilled on their own and joined by a separator, a
+question) is blended at several recompute ratios and compared with a
 full prefill of the same prompt:
 
 * the largest K/V difference between this implementation's full prefill and the
@@ -14,7 +15,16 @@ full prefill of the same prompt:
 
 Models: a tiny random Llama (always) and ``models/smollm2-135m`` when present.
 
-Usage: python benchmarks/bench_blend.py [--tokens 1000] [--reps 3] [--threads 1] [--ratios 0,0.05,0.15,0.3,0.6,1]
+``serving``: the real model in vLLM's OpenAI server, a full-prefill baseline against one server
+per recompute ratio with lmcache blending, on the question set of ``rag_dataset.py``: accuracy,
+agreement with the baseline's answers, TTFT at ~1.5k and ~3k tokens, reused tokens
+(``blend_serving.py`` says more).
+
+Usage::
+
+    python benchmarks/bench_blend.py [core] [--tokens 1000] [--reps 3] [--threads 1] [--ratios 0,0.05,0.15,0.3,0.6,1]
+    python benchmarks/bench_blend.py serving [--ratios 0,0.05,0.15,0.3,0.5,1] [--questions 28] [--speed-prompts 3]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -88,11 +98,25 @@ def run(name: str, hf_model, vocab: int, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings)")
-    parser.add_argument("--ratios", type=lambda s: [float(x) for x in s.split(",")], default=[0, 0.05, 0.15, 0.3, 0.6, 1])
+    parser.add_argument("mode", nargs="?", choices=("core", "serving"), default="core")
+    parser.add_argument(
+        "--ratios",
+        type=lambda s: [float(x) for x in s.split(",") if x.strip()],
+        default=None,
+        help="recompute ratios (core: 0,0.05,0.15,0.3,0.6,1; serving: 0,0.05,0.15,0.3,0.5,1)",
+    )
+    core = parser.add_argument_group("core")
+    core.add_argument("--tokens", type=int, default=1000)
+    core.add_argument("--reps", type=int, default=3)
+    core.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings)")
+    from benchmarks import blend_serving
+
+    blend_serving.add_arguments(parser.add_argument_group("serving"))
     args = parser.parse_args()
+    if args.mode == "serving":
+        sys.exit(blend_serving.main(args))
+    if args.ratios is None:
+        args.ratios = [0, 0.05, 0.15, 0.3, 0.6, 1]
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
