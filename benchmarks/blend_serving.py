@@ -249,6 +249,11 @@ class Row:
     blend_ms: float | None  # mean lmcache_blend_seconds per observation
 
 
+def first_token(answer: Answer) -> list[int] | list[str]:
+    """The first generated token's id (its first word where the server returned no ids)."""
+    return answer.token_ids[:1] or answer.text.split()[:1]
+
+
 def summarize(run: ServerRun, base: ServerRun | None, prompts: list[Prompt]) -> Row:
     quality = [a for a in run.answers if a.kind == "quality"]
     speed = [a for a in run.answers if a.kind == "speed"]
@@ -256,7 +261,7 @@ def summarize(run: ServerRun, base: ServerRun | None, prompts: list[Prompt]) -> 
     same = rouge = ratio = None
     if base is not None and base is not run:
         pairs = list(zip(quality, (a for a in base.answers if a.kind == "quality")))
-        same = sum(a.token_ids[:1] == b.token_ids[:1] for a, b in pairs) / max(1, len(pairs))
+        same = sum(first_token(a) == first_token(b) for a, b in pairs) / max(1, len(pairs))
         rouge = statistics.fmean(rag.rouge_l(a.text, b.text) for a, b in pairs) if pairs else None
         base_speed = p50([a.ttft for a in base.answers if a.kind == "speed"])
         ratio = p50([a.ttft for a in speed]) / base_speed if speed and base_speed > 0 else None
