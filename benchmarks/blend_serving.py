@@ -7,6 +7,9 @@ among them), sent as token ids to ``/v1/completions``, greedy, streamed.
 Servers (one fresh server each, the real model, vLLM's prefix caching off in all):
 
 * ``baseline``: no KV connector; every prompt is a full prefill.
+* ``lmcache prefix`` (``--with-prefix``): our connector without blending, the same
+  pre-caching: what exact prefix reuse alone gets from these prompts (a prompt whose first
+  documents are those of an earlier prompt reuses them);
 * ``blend r``: our connector with ``enable_blending`` and ``blend_recompute_ratios: r``
   (CPU tier, chunk 256, check layer 1, ``blend_min_tokens`` 256); before the questions, each
   document's ids are sent alone (``max_tokens`` 1) so that its KV is cached.
@@ -154,59 +157,78 @@ def delta(after: dict[str, float | None], before: dict[str, float | None]) -> di
 
 
 # ------------------------------------------------------------------------------ servers
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    name: str
+    lmcache: bool
+    ratio: float | None = None  # None: no blending
+
+    @staticmethod
+    def blend(ratio: float) -> ServerConfig:
+        return ServerConfig(f"blend r={ratio:g}", True, ratio)
+
+
+BASELINE = ServerConfig("baseline", False)
+PREFIX = ServerConfig("lmcache prefix", True)
+
+
 @dataclass
 class ServerRun:
     name: str
-    ratio: float | None  # None: the baseline
+    config: ServerConfig
     start_s: float = 0.0
     precache_s: float = 0.0
     answers: list[Answer] = field(default_factory=list)
     counters: dict[str, dict[str, float | None]] = field(default_factory=dict)  # per phase: quality, speed
 
 
-def blend_yaml(ratio: float, args: argparse.Namespace) -> str:
-    return (
-        f"chunk_size: {args.chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: {args.cpu_gib}\n"
+def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
+    text = (
+        f"chunk_size: {args.chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: {args.cpu_gib}\nlog_summary_interval: 0\n"
+    )
+    if ratio is None:
+        return text
+    return text + (
         f'enable_blending: true\nblend_special_str: "{rag.SEP_TEXT}"\nblend_recompute_ratios: {ratio}\n'
-        f"blend_check_layers: {args.check_layers}\nblend_min_tokens: {args.blend_min_tokens}\nlog_summary_interval: 0\n"
+        f"blend_check_layers: {args.check_layers}\nblend_min_tokens: {args.blend_min_tokens}\n"
     )
 
 
-def make_server(model_dir: Path, ratio: float | None, workdir: Path, max_len: int,
+def make_server(model_dir: Path, config: ServerConfig, workdir: Path, max_len: int,
                 args: argparse.Namespace) -> OpenAIServer:  # fmt: skip
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # the same CPU layout with and without a connector
     block = 32
     extra = ["--max-model-len", str(math.ceil(max_len / block) * block), "--block-size", str(block),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens or max_len),
              "--no-enable-prefix-caching", "--served-model-name", SERVED_NAME]  # fmt: skip
-    name = "baseline" if ratio is None else f"blend-{ratio}"
-    if ratio is None:
+    name = config.name.replace(" ", "-").replace("=", "")
+    if not config.lmcache:
         return OpenAIServer(str(model_dir), None, workdir / f"{name}.log", env=env, extra_args=extra)
     cfg = workdir / f"{name}.yaml"
-    cfg.write_text(blend_yaml(ratio, args))
+    cfg.write_text(lmcache_yaml(config.ratio, args))
     env["LMCACHE_CONFIG_FILE"] = str(cfg)
     ktc = {**DYNAMIC, "kv_load_failure_policy": "recompute"}
     return OpenAIServer(str(model_dir), ktc, workdir / f"{name}.log", env=env, extra_args=extra)
 
 
-def run_server(model_dir: Path, ratio: float | None, prompts: list[Prompt], tokenizer: Any, workdir: Path,
+def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tokenizer: Any, workdir: Path,
                args: argparse.Namespace) -> ServerRun:  # fmt: skip
     max_len = max(len(p.ids) for p in prompts) + args.max_tokens + 64
-    server = make_server(model_dir, ratio, workdir, max_len, args)
-    run = ServerRun("baseline" if ratio is None else f"blend r={ratio:g}", ratio)
+    server = make_server(model_dir, config, workdir, max_len, args)
+    run = ServerRun(config.name, config)
     t0 = time.perf_counter()
     try:
         server.start(timeout=args.start_timeout)
         run.start_s = time.perf_counter() - t0
         print(f"  [{run.name}] server up in {run.start_s:.0f} s", flush=True)
         complete(server.url, rag.doc_ids(tokenizer, "Warm-up."), 2)  # first-step costs, not measured
-        if ratio is not None:
+        if config.lmcache:
             t1 = time.perf_counter()
             for d in range(len(rag.DOCS)):
                 complete(server.url, rag.doc_ids(tokenizer, d), 1)
             run.precache_s = time.perf_counter() - t1
             print(f"  [{run.name}] {len(rag.DOCS)} documents pre-cached in {run.precache_s:.1f} s", flush=True)
-        before = blend_counters(server) if ratio is not None else {}
+        before = blend_counters(server) if config.lmcache else {}
         for kind in ("quality", "speed"):
             for p in (p for p in prompts if p.kind == kind):
                 ans = complete(server.url, p.ids, args.max_tokens)
@@ -215,7 +237,7 @@ def run_server(model_dir: Path, ratio: float | None, prompts: list[Prompt], toke
                 ok = rag.judge(ans.text, rag.QUESTIONS[p.question])
                 print(f"    {kind} q{p.question:<2} docs {p.docs} {ans.prompt_tokens} tok  TTFT {ans.ttft:6.2f} s  "
                       f"{'ok ' if ok else 'BAD'} {ans.text.strip()[:70]!r}", flush=True)  # fmt: skip
-            if ratio is not None:
+            if config.lmcache:
                 time.sleep(1.0)  # counters ride on the worker's step outputs
                 after = blend_counters(server)
                 run.counters[kind] = delta(after, before)
@@ -308,7 +330,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speed-docs", type=int, default=8, help="documents per speed prompt (~3k tokens)")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0, help="document orders")
-    ap.add_argument("--no-baseline", action="store_true", help="blending servers only (no comparison columns)")
+    ap.add_argument("--no-baseline", action="store_true", help="no full-prefill server (no comparison columns)")
+    ap.add_argument("--with-prefix", action="store_true", help="also lmcache without blending (prefix reuse only)")
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--cpu-gib", type=float, default=2.0, help="max_local_cpu_size")
     ap.add_argument("--check-layers", type=int, default=1, help="blend_check_layers")
@@ -339,12 +362,13 @@ def main(args: argparse.Namespace) -> int:
     runs: list[ServerRun] = []
     t_all = time.perf_counter()
     try:
-        configs: list[float | None] = ([] if args.no_baseline else [None]) + list(ratios)
-        for ratio in configs:
+        configs = [BASELINE] * (not args.no_baseline) + [PREFIX] * args.with_prefix
+        configs += [ServerConfig.blend(r) for r in ratios]
+        for config in configs:
             try:
-                runs.append(run_server(model_dir, ratio, prompts, tokenizer, workdir, args))
+                runs.append(run_server(model_dir, config, prompts, tokenizer, workdir, args))
             except Exception as exc:  # one broken server must not lose the others' numbers
-                print(f"  [{'baseline' if ratio is None else ratio}] FAILED: {exc!r}", flush=True)
+                print(f"  [{config.name}] FAILED: {exc!r}", flush=True)
     finally:
         if args.keep_workdir:
             print(f"work directory kept: {workdir}")
@@ -352,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     if not runs:
         return 1
-    base = runs[0] if runs[0].ratio is None else None
+    base = runs[0] if runs[0].config == BASELINE else None
     rows = [summarize(r, base, prompts) for r in runs]
     print(f"\n{table(rows)}\n\ntotal {time.perf_counter() - t_all:.0f} s")
     if args.json is not None:
