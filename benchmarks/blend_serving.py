@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import rag_dataset as rag  # noqa: E402
+from harness import rag_dataset as rag  # noqa: E402
 from harness.openai_server import DYNAMIC, OpenAIServer  # noqa: E402
 from harness.real_model import RealModelUnavailable, real_model_dir  # noqa: E402
 
@@ -229,7 +229,7 @@ def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tok
         if config.lmcache:
             t1 = time.perf_counter()
             for d in range(len(rag.DOCS)):
-                complete(server.url, rag.doc_ids(tokenizer, d), 1)
+                complete(server.url, rag.precache_ids(tokenizer, d, prefixed=args.precache == "prefixed"), 1)
             run.precache_s = time.perf_counter() - t1
             print(f"  [{run.name}] {len(rag.DOCS)} documents pre-cached in {run.precache_s:.1f} s", flush=True)
         before = blend_counters(server) if config.lmcache else {}
@@ -340,6 +340,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speed-prompts", type=int, default=3, help="speed prompts (0: none)")
     ap.add_argument("--speed-docs", type=int, default=8, help="documents per speed prompt (~3k tokens)")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument(
+        "--precache", choices=("alone", "prefixed"), default="alone",
+        help="cache each document alone, or after the prompts' opening (template + instruction) and separator",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="document orders")
     ap.add_argument("--no-baseline", action="store_true", help="no full-prefill server (no comparison columns)")
     ap.add_argument("--with-prefix", action="store_true", help="also lmcache without blending (prefix reuse only)")

@@ -1,4 +1,4 @@
-"""The blending benchmark's question set (benchmarks/rag_dataset.py): facts, judge, ROUGE-L, prompt layout."""
+"""The blending benchmark's question set (harness/rag_dataset.py): facts, judge, ROUGE-L, prompt layout."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import rag_dataset as rag
+from harness import rag_dataset as rag
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 

@@ -88,11 +88,40 @@ def causal_attention(
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if q_positions.shape == kv_positions.shape and torch.equal(q_positions, kv_positions) and _increasing(kv_positions):
         out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling)
+    elif _increasing(q_positions) and _increasing(kv_positions):
+        out = _blocked(qb, kb, vb, q_positions, kv_positions, scaling)
     else:
-        allowed = kv_positions[None, :] <= q_positions[:, None]
-        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias[None, None], scale=scaling)
+        out = _masked(qb, kb, vb, q_positions, kv_positions, scaling)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+QUERY_BLOCKS = 8
+"""Blocks of a sorted query subset attended separately: each block reads only the keys up to
+its last query's position, about half the work of one masked pass over all keys."""
+
+
+def _masked(
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    allowed = kv_pos[None, :] <= q_pos[:, None]
+    bias = torch.zeros(allowed.shape, dtype=qb.dtype, device=qb.device).masked_fill_(~allowed, float("-inf"))
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias[None, None], scale=scaling)
+
+
+def _blocked(
+    qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, q_pos: torch.Tensor, kv_pos: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """:func:`_masked` for sorted positions, one block of queries at a time over its visible keys."""
+    m = q_pos.shape[0]
+    step = -(-m // QUERY_BLOCKS)
+    ends = torch.searchsorted(kv_pos, q_pos[step - 1 :: step].contiguous(), right=True).tolist()
+    if len(ends) < -(-m // step):
+        ends.append(int(torch.searchsorted(kv_pos, q_pos[-1:], right=True)[0]))
+    parts = []
+    for i, end in enumerate(ends):
+        a, b = i * step, min(m, (i + 1) * step)
+        parts.append(_masked(qb[:, :, a:b], kb[:, :, :end], vb[:, :, :end], q_pos[a:b], kv_pos[:end], scaling))
+    return torch.cat(parts, dim=2)
 
 
 def _increasing(positions: torch.Tensor) -> bool:
