@@ -94,6 +94,22 @@ def run(name: str, hf_model, vocab: int, args) -> None:
             f"  ratio {ratio:<5} deviation {deviation(res, ref):.3e}  max |dKV| {err:.2e}  "
             f"argmax same {same!s:5}  {t * 1e3:6.0f} ms ({t / t_full:.2f} x full)"
         )
+        if args.layers:
+            print("    " + layer_breakdown(res.layer_seconds, results["full"].layer_seconds, int(res.recomputed.sum())))
+
+
+def layer_breakdown(blend_s: tuple[float, ...], full_s: tuple[float, ...], recomputed: int) -> str:
+    """Per-layer time of a blend against the full prefill's: the layers up to the check layer
+    (every token), then the selective layers (``recomputed`` tokens)."""
+    check = 2  # layers 0 and 1 (check layer 1) run every token
+    head, tail = blend_s[:check], blend_s[check:]
+    f_head, f_tail = full_s[:check], full_s[check:]
+    per = ", ".join(f"{x * 1e3:.0f}" for x in blend_s)
+    return (
+        f"layers 0-{check - 1} (all tokens): {sum(head) * 1e3:.0f} ms ({sum(head) / sum(f_head):.2f} x full's); "
+        f"layers {check}-{len(blend_s) - 1} ({recomputed} tokens): {sum(tail) * 1e3:.0f} ms "
+        f"({sum(tail) / max(sum(f_tail), 1e-9):.2f} x full's); per layer ms: {per}"
+    )
 
 
 def main() -> None:
@@ -108,6 +124,7 @@ def main() -> None:
     core = parser.add_argument_group("core")
     core.add_argument("--tokens", type=int, default=1000)
     core.add_argument("--reps", type=int, default=3)
+    core.add_argument("--layers", action="store_true", help="print each blend's per-layer times against the full prefill's")
     core.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings)")
     from benchmarks import blend_serving
 

@@ -23,6 +23,7 @@ layer after the check layer. Pure torch; runs on whatever device the model and i
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -75,6 +76,8 @@ class BlendResult:
     """The last token's logits ``[vocab]``."""
     recomputed: torch.Tensor
     """bool ``[num_tokens]``: tokens whose KV is fresh in the layers after the last check layer."""
+    layer_seconds: tuple[float, ...] = ()
+    """Wall time of each layer (a check layer's includes waiting for late cached KV)."""
 
 
 def full_prefill(model: BlendModel, token_ids: torch.Tensor) -> BlendResult:
@@ -113,7 +116,9 @@ def blend(
     hidden = model.embed(token_ids)
     out_k: list[torch.Tensor] = []
     out_v: list[torch.Tensor] = []
+    layer_seconds: list[float] = []
     for li, layer in enumerate(layers):
+        t0 = time.perf_counter()
         q, k, v = layer.qkv(layer.input_norm(hidden), positions[sel])
         if sel.shape[0] == n:
             k_all, v_all = k, v
@@ -134,10 +139,11 @@ def blend(
         if li in checks and num_reused and cached is not None:
             keep = _select(k, v, cached, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
             sel, hidden = sel[keep], hidden[keep]
+        layer_seconds.append(time.perf_counter() - t0)
     normed = model.final_norm(hidden[-1:])
     recomputed = torch.zeros(n, dtype=torch.bool, device=device)
     recomputed[sel] = True
-    return BlendResult(out_k, out_v, normed[0], model.logits(normed)[0], recomputed)
+    return BlendResult(out_k, out_v, normed[0], model.logits(normed)[0], recomputed, tuple(layer_seconds))
 
 
 def _reused_mask(reused: ReusedKV | None, n: int, num_layers: int, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,71 @@
+"""Blending with the real model (SmolLM2-135M-Instruct) through vLLM's OpenAI server.
+
+The eight documents of the RAG question set (``harness/rag_dataset.py``) are cached alone;
+then questions are asked over four of them in orders never seen before. Each prompt is
+blended (all but its last token come from lmcache, at least 80 % of its document tokens
+keep their cached KV at the default recompute ratio), and the answers state the facts the
+documents give (questions a full prefill answers correctly, chosen for it).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+
+from harness import rag_dataset as rag
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
+from harness.real_model import RealModelUnavailable, real_model_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+QUESTIONS = (16, 23, 1)
+"""Questions (indices in ``rag.QUESTIONS``) whose facts a full prefill of these prompts states."""
+
+
+def complete(server: OpenAIServer, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    req = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def test_real_model_answers_from_reordered_cached_documents(tmp_path):
+    try:
+        model = real_model_dir()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"the real model (SmolLM2-135M-Instruct) cannot be built: {exc}")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    cfg = tmp_path / "lmcache.yaml"
+    cfg.write_text("chunk_size: 256\nmax_local_cpu_size: 1\nenable_blending: true\nlog_summary_interval: 0\n")
+    server = OpenAIServer(
+        str(model), DYNAMIC, tmp_path / "server.log",
+        env={"LMCACHE_CONFIG_FILE": str(cfg), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        extra_args=["--max-model-len", "2048", "--served-model-name", "m", "--max-num-batched-tokens", "2048"],
+    ).start()  # fmt: skip
+    try:
+        for d in range(len(rag.DOCS)):
+            complete(server, rag.doc_ids(tok, d), 1)
+        for qi in QUESTIONS:
+            q = rag.QUESTIONS[qi]
+            ids = rag.build_prompt(tok, rag.docs_for(qi, 4), q)
+            doc_tokens = sum(len(rag.doc_ids(tok, d)) for d in rag.docs_for(qi, 4))
+            before = server.metrics()
+            resp = complete(server, ids, 24)
+            after = server.metrics()
+            answer = resp["choices"][0]["text"]
+            assert rag.judge(answer, q), (q.text, answer)
+            assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+            delta = {
+                n: metric_value(after, f"lmcache_blend_{n}_total") - metric_value(before, f"lmcache_blend_{n}_total")
+                for n in ("requests", "reused_tokens", "failures")
+            }
+            assert delta["requests"] == 1 and delta["failures"] == 0
+            assert delta["reused_tokens"] >= 0.8 * doc_tokens, (delta, doc_tokens)
+    finally:
+        server.stop()
