@@ -2,8 +2,8 @@
 
 The eight documents of the RAG question set (``harness/rag_dataset.py``) are cached alone;
 then questions are asked over four of them in orders never seen before. Each prompt is
-blended (all but its last token come from lmcache, at least 80 % of its document tokens
-keep their cached KV at the default recompute ratio), and the answers state the facts the
+blended (all but its last token come from lmcache; at the default recompute ratio, 0.2,
+80 % of its document tokens keep their cached KV), and the answers state the facts the
 documents give (questions a full prefill answers correctly, chosen for it).
 """
 
@@ -66,6 +66,7 @@ def test_real_model_answers_from_reordered_cached_documents(tmp_path):
                 for n in ("requests", "reused_tokens", "failures")
             }
             assert delta["requests"] == 1 and delta["failures"] == 0
-            assert delta["reused_tokens"] >= 0.8 * doc_tokens, (delta, doc_tokens)
+            # the default ratio (0.2) recomputes the fifth of the reused tokens that deviate most
+            assert delta["reused_tokens"] >= 0.8 * doc_tokens - 1, (delta, doc_tokens)
     finally:
         server.stop()
