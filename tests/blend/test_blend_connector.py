@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,6 +32,7 @@ from lmcache.v1.request import KeyExtras
 from lmcache.v1.testing import KVSpec, random_kv_caches
 
 from tests.blend.helpers import SEP, tiny_llama
+from tests.vllm_adapter.test_vllm_connector_unit import FakeRequest
 
 CHUNK = 16
 BLOCK = 8
@@ -79,25 +79,6 @@ def fake_vllm_config(tmp: str, *, prefix_caching: bool = False, extra: dict[str,
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=prefix_caching),
         device_config=SimpleNamespace(device_type="cpu"),
     )  # fmt: skip
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    cache_salt: str | None = None
-    lora_request: Any = None
-    mm_features: tuple = ()
-    kv_transfer_params: dict[str, Any] | None = None
-    output: list[int] = field(default_factory=list)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
 
 
 def sched_output(req_id: str, blocks: list[int], computed: int, num: int, *, new: bool) -> SimpleNamespace:
