@@ -16,7 +16,7 @@ full prefill of the same prompt:
 Models: a tiny random Llama (always) and ``models/smollm2-135m`` when present.
 
 ``serving``: the real model in vLLM's OpenAI server, a full-prefill baseline against one server
-per recompute ratio with lmcache blending, on the question set of ``rag_dataset.py``: accuracy,
+per recompute ratio with lmcache blending, on the question set of ``harness/rag_dataset.py``: accuracy,
 agreement with the baseline's answers, TTFT at ~1.5k and ~3k tokens, reused tokens
 (``blend_serving.py`` says more).
 

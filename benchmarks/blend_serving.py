@@ -1,6 +1,7 @@
 """Blending through vLLM's OpenAI server: answer quality and TTFT on a RAG workload (``bench_blend.py serving``).
 
-Workload (``rag_dataset.py``): fictional documents, each pre-cached alone, then questions whose
+Workload (``harness/rag_dataset.py``): fictional documents, each pre-cached alone (or after the
+prompts' opening, ``--precache prefixed``), then questions whose
 prompts hold some documents in an order no earlier prompt used (the answer's document always
 among them), sent as token ids to ``/v1/completions``, greedy, streamed.
 
