@@ -482,3 +482,45 @@ def test_a_corrupt_segment_entry_is_not_reused(mini, model):
     for li in range(LAYERS):
         torch.testing.assert_close(out["kv_after_load"][0][li], want.keys[li], atol=1e-5, rtol=1e-5)
     assert all(bool(torch.isfinite(k).all()) for k in out["kv_after_load"][0])
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(field=_json | st.lists(st.lists(st.integers(-5, 80), min_size=0, max_size=3), max_size=5),
+       tokens=st.lists(st.integers(0, 2**31 - 1), max_size=60))
+@settings(max_examples=300, deadline=None)
+def test_the_segments_op_answers_any_input_or_refuses_it_by_name(field, tokens):
+    """The lookup socket's ``segments`` op (hostile input from another process): the bounds
+    are parsed, the engine checks them against the tokens; anything else is a ValueError
+    (an error reply), never another exception and never a wrong answer."""
+    import numpy as np
+
+    from lmcache.integration.vllm.lookup_service import _segment_bounds
+
+    engine = _fuzz_engine()
+    try:
+        bounds = _segment_bounds(field)
+        cached = engine.lookup_segments(np.asarray(tokens, dtype="<i4"), bounds)
+    except ValueError:
+        return
+    assert len(cached) == len(bounds)
+    assert all(0 <= c <= b - a for c, (a, b) in zip(cached, bounds))
+
+
+_FUZZ_ENGINE: list[Any] = []
+
+
+def _fuzz_engine():
+    if not _FUZZ_ENGINE:
+        from lmcache.v1.cache_engine import LMCacheEngine
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.testing import make_metadata
+
+        cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "enable_blending": True})
+        _FUZZ_ENGINE.append(LMCacheEngine(cfg, make_metadata(SPEC, chunk_size=CHUNK), None))
+    return _FUZZ_ENGINE[0]
