@@ -97,8 +97,9 @@ class BlendRunner:
         self, tokens: Any, ref: SegmentRef, limit: int, extras: KeyExtras, device: torch.device
     ) -> CachedSegmentKV | None:
         """The cached part of one segment, keys still at positions ``0 ..`` (assemble moves them)."""
-        seg = Segment(ref.start, ref.end, tuple(int(t) for t in tokens[ref.start : min(ref.end, limit)]))
-        kv = self.store.get(seg, min(ref.cached, limit - ref.start), extras)
+        end = min(ref.end, limit)  # the prompt's last token is vLLM's: a segment holding it is cut
+        seg = Segment(ref.start, end, tuple(int(t) for t in tokens[ref.start : end]))
+        kv = self.store.get(seg, min(ref.cached, end - ref.start), extras)
         if kv.num_tokens == 0:
             return None
         keys = [k.to(device) for k in kv.keys]
