@@ -440,21 +440,12 @@ def token_rows(layer: Any, slots: Any, use_mla: bool) -> Any:
     (any layout lmcache knows, read through its geometry)."""
     import torch
 
-    from lmcache.v1.gpu_connector.layouts import detect_layout
+    from lmcache.v1.gpu_connector.layouts import component_tensors
 
-    geo = detect_layout(layer, use_mla=use_mla).geometry(layer)
     slots = torch.as_tensor(slots, dtype=torch.long)
-    b, n = slots // geo.block_size, slots % geo.block_size
-    parts = []
-    for c in geo.components:
-        view = torch.as_strided(
-            layer,
-            (geo.num_blocks, geo.block_size, geo.num_heads, geo.head_size),
-            (c.block_stride, c.token_stride, c.head_stride, c.dim_stride),
-            layer.storage_offset() + c.offset,
-        )
-        parts.append(view[b, n].reshape(len(slots), -1))
-    return torch.cat(parts, dim=1).clone()
+    views = component_tensors(layer, use_mla=use_mla)
+    b, n = slots // views[0].shape[1], slots % views[0].shape[1]
+    return torch.cat([view[b, n].reshape(len(slots), -1) for view in views], dim=1).clone()
 
 
 class KVProbe:
