@@ -103,11 +103,16 @@ def masked_url(url: str | None) -> str | None:
     return mask_url(url)
 
 
+SECRET_KEYS = ("remote_password", "pd_secret")
+"""Config keys whose values are never printed."""
+
+
 def effective_config(config: LMCacheEngineConfig) -> dict[str, Any]:
     """The config as a dict safe to print: secrets masked, empty optional keys kept as None."""
     data = config.to_dict()
-    if data.get("remote_password") is not None:
-        data["remote_password"] = "***"
+    for name in SECRET_KEYS:
+        if data.get(name) is not None:
+            data[name] = "***"
     data["remote_url"] = masked_url(data.get("remote_url"))
     extra = data.get("extra_config")
     if isinstance(extra, dict):

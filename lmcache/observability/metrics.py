@@ -205,8 +205,24 @@ METRICS: tuple[MetricDef, ...] = (
     _c(
         "lmcache_pd_fallbacks",
         "Disaggregated decodes that computed (part of) the prompt themselves: the KV did not arrive within "
-        "pd_wait_timeout.",
+        "pd_wait_timeout, the remote tier was down, or pd_max_waiting requests were already waiting.",
         "scheduler_pd_fallbacks",
+    ),
+    _c(
+        "lmcache_pd_refused",
+        "Requests whose kv_transfer_params were not honoured (unsigned or forged do_remote_prefill, or a "
+        "parameter this node's pd_role does not take); served as normal requests.",
+        "scheduler_pd_refused",
+    ),
+    _c(
+        "lmcache_pd_wait_refused",
+        "Disaggregated decodes computed at once because pd_max_waiting requests were already waiting.",
+        "scheduler_pd_wait_refused",
+    ),
+    _c(
+        "lmcache_pd_remote_down",
+        "Disaggregated decodes computed at once because the remote tier's breaker was open.",
+        "scheduler_pd_remote_down",
     ),
     _c(
         "lmcache_pd_fingerprint_mismatches",

@@ -32,6 +32,10 @@ CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 ENV_PREFIX = "LMCACHE_"
 EC_ENV_PREFIX = "LMCACHE_EC_"
 CACHE_POLICIES = ("LRU", "FIFO", "LFU", "MRU")
+MAX_BLEND_SEGMENTS = 1024
+"""Upper bound of ``blend_max_segments``."""
+MIN_PD_SECRET_CHARS = 16
+"""Shortest ``pd_secret`` (the proxy checks the same length: :data:`lmcache.pd.signing.MIN_SECRET_CHARS`)."""
 DEFAULT_BLEND_RATIO = 0.2
 """``blend_recompute_ratios`` when unset: the lowest ratio that kept the real model's answers
 within 10 accuracy points of a full prefill at under half its time to first token."""
@@ -267,11 +271,15 @@ _PARSERS = {
     "pd_proxy_port": _as_int,
     "transfer_channel": _as_channel,
     "pd_wait_timeout": _as_float,
+    "pd_secret": _as_secret,
+    "pd_max_waiting": _as_int,
     "enable_blending": _as_bool,
     "blend_special_str": _as_separator,
     "blend_recompute_ratios": _as_float_list,
     "blend_check_layers": _as_int_list,
     "blend_min_tokens": _as_int,
+    "blend_min_segment_tokens": _as_int,
+    "blend_max_segments": _as_int,
     "blend_thresholds": _as_float_list,
 }
 
@@ -355,6 +363,13 @@ class LMCacheEngineConfig:
     pd_wait_timeout: float = 5.0
     """Seconds a decoder waits for KV a prefiller announced, and a prefiller for its writes
     to become durable, before it recomputes (decoder) or answers anyway (prefiller)."""
+    pd_secret: str | None = field(default=None, repr=False)  # never logged
+    """Secret shared by prefillers, decoders and ``lmcache proxy`` (``LMCACHE_PD_SECRET``): a
+    decoder honours ``do_remote_prefill`` only with parameters the proxy signed with it
+    (:mod:`lmcache.pd.signing`). Required on a decoder."""
+    pd_max_waiting: int = 64
+    """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
+    at once (counted as ``pd_wait_refused``)."""
     enable_blending: bool = False
     """CacheBlend (docs/blending.md): documents separated by ``blend_special_str`` are cached
     on their own and reused at any position of a later prompt, with a selective recompute.
@@ -368,6 +383,12 @@ class LMCacheEngineConfig:
     """Layers where the deviation of the reused KV is measured (None: ``[1]``)."""
     blend_min_tokens: int = 256
     """Prompts shorter than this are not blended (prefix reuse only)."""
+    blend_min_segment_tokens: int = 16
+    """Segments (documents) shorter than this are neither stored nor reused as segments:
+    they are recomputed with the prompt (bounds the entries one prompt can create)."""
+    blend_max_segments: int = 64
+    """Most segments one prompt is split into; a prompt with more separators is not blended
+    and stores no segments (bounds the work one prompt can put on the worker)."""
     blend_thresholds: list[float] | None = None
     """Accepted for LMCache compatibility; not used (the ratios choose what is recomputed)."""
 
@@ -375,8 +396,8 @@ class LMCacheEngineConfig:
         """Every field except secrets; ``remote_url`` with its credentials masked."""
         parts = []
         for f in dataclasses.fields(self):
-            if f.name == "remote_password":
-                parts.append(f"remote_password={'***' if self.remote_password else None}")
+            if f.name in ("remote_password", "pd_secret"):
+                parts.append(f"{f.name}={'***' if getattr(self, f.name) else None}")
             elif f.name == "remote_url":
                 parts.append(f"remote_url={mask_url(self.remote_url) if self.remote_url else None!r}")
             else:
@@ -544,6 +565,11 @@ class LMCacheEngineConfig:
             )
         if self.blend_min_tokens < 1:
             raise ConfigError(f"blend_min_tokens={self.blend_min_tokens!r}: expected an integer >= 1")
+        if self.blend_min_segment_tokens < 1:
+            raise ConfigError(f"blend_min_segment_tokens={self.blend_min_segment_tokens!r}: expected an integer >= 1")
+        if not 1 <= self.blend_max_segments <= MAX_BLEND_SEGMENTS:
+            raise ConfigError(f"blend_max_segments={self.blend_max_segments!r}: expected an integer in "
+                              f"1..{MAX_BLEND_SEGMENTS}")
         if self.enable_blending and self.enable_pd:
             raise ConfigError(
                 "enable_blending=True with enable_pd=True: a blended prompt's KV is an approximation and "
@@ -555,6 +581,11 @@ class LMCacheEngineConfig:
     def _validate_pd(self) -> None:
         if self.pd_wait_timeout <= 0:
             raise ConfigError(f"pd_wait_timeout={self.pd_wait_timeout!r}: expected seconds > 0")
+        if self.pd_max_waiting < 0:
+            raise ConfigError(f"pd_max_waiting={self.pd_max_waiting!r}: expected an integer >= 0 (0: never wait)")
+        if self.pd_secret is not None and len(self.pd_secret.strip()) < MIN_PD_SECRET_CHARS:
+            raise ConfigError(f"pd_secret: {len(self.pd_secret.strip())} characters (value not shown); expected at "
+                              f"least {MIN_PD_SECRET_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
         if self.pd_buffer_size is not None and self.pd_buffer_size <= 0:
             raise ConfigError(f"pd_buffer_size={self.pd_buffer_size!r}: expected bytes > 0 (or unset)")
         if self.enable_pd and self.remote_url is None:

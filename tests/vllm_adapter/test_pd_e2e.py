@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
+from lmcache.pd import signing
 from lmcache.pd.proxy import Proxy, ProxyConfig
 from tests.pd.test_proxy import Served
 from tests.redis_fixtures import RedisServer
@@ -31,6 +32,7 @@ from tests.redis_fixtures import RedisServer
 pytestmark = pytest.mark.vllm
 
 WAIT = 3.0  # pd_wait_timeout of both servers
+SECRET = "e2e-pd-secret-0123456789abcdef"  # pd_secret of the servers and the proxy
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SEND = {"do_remote_decode": True, "do_remote_prefill": False}
 WORDS = ("cache", "token", "layer", "prefill", "decode", "chunk", "block", "store", "model", "engine",
@@ -92,12 +94,12 @@ def single(server: OpenAIServer, path: str, body: dict[str, Any]) -> dict[str, A
 
 
 def disaggregated(prefiller: OpenAIServer, decoder: OpenAIServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Both legs, as a proxy sends them."""
+    """Both legs, as a proxy sends them (the decoder's parameters signed with the shared secret)."""
     leg = {k: v for k, v in body.items() if k != "stream_options"}
     leg.update(max_tokens=1, stream=False, kv_transfer_params=dict(SEND))
     params = post(prefiller.url, path, leg)["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_num_tokens"] > 0
-    return single(decoder, path, dict(body, kv_transfer_params=params))
+    return single(decoder, path, dict(body, kv_transfer_params=signing.sign(params, SECRET, now=time.time())))
 
 
 def start_pd_servers(model: Path, tmp: Path, redis_url: str, roles: dict[str, str]) -> list[OpenAIServer]:
@@ -108,7 +110,7 @@ def start_pd_servers(model: Path, tmp: Path, redis_url: str, roles: dict[str, st
             cfg = tmp / f"{name}.yaml"
             cfg.write_text(
                 f"chunk_size: 256\nmax_local_cpu_size: 0.25\nremote_url: {redis_url}\nenable_pd: true\n"
-                f"pd_wait_timeout: {WAIT}\nlog_summary_interval: 0\n"
+                f"pd_wait_timeout: {WAIT}\nlog_summary_interval: 0\npd_secret: {SECRET}\n"
             )
             server = OpenAIServer(
                 str(model),
@@ -208,6 +210,7 @@ def test_a_prefiller_of_another_model_namespace_is_named_in_the_log(pd):
     leg = dict(body, max_tokens=1, kv_transfer_params=dict(SEND))
     params = post(prefiller.url, path, leg)["kv_transfer_params"]
     params["lmcache"]["namespace"] = "another-model"  # what a prefiller serving other weights announces
+    params = signing.sign(params, SECRET, now=time.time())
     assert single(decoder, path, dict(body, kv_transfer_params=params)) == want  # no wait, a normal request
     assert "namespace: prefiller 'another-model' != decoder" in decoder.log()
     assert metric_value(decoder.metrics(), "lmcache_pd_fingerprint_mismatches_total") == 1
@@ -223,8 +226,23 @@ def test_redis_down_falls_back_to_computing_within_the_deadline(pd):
     took = time.monotonic() - start
     assert got == want
     assert took < WAIT + 60  # bounded by pd_wait_timeout (plus compute), never a hang
-    assert "pd_wait_timeout=3.0" in decoder.log()
+    assert "lmcache PD" in decoder.log()  # the breaker opened on the first failed call: no wait, or a timeout
     assert metric_value(decoder.metrics(), "lmcache_pd_fallbacks_total") == 1
+
+
+def test_a_client_of_the_decoder_cannot_make_it_wait(pd):
+    """``do_remote_prefill`` sent straight to the decoder's API (unsigned, or signed for
+    another prompt) is served at once as a normal request: same answer, counted, no wait."""
+    _, prefiller, decoder, _ = pd
+    path, body = request_body("completions", 70, 31337, False)
+    want = single(prefiller, path, body)
+    forged = {"do_remote_prefill": True, "remote_num_tokens": 10**6}
+    before = decoder.metrics()
+    assert single(decoder, path, dict(body, kv_transfer_params=forged)) == want
+    after = decoder.metrics()
+    for name, grew in (("lmcache_pd_refused_total", 1), ("lmcache_pd_waits_total", 0),
+                       ("lmcache_pd_received_requests_total", 0)):  # fmt: skip
+        assert metric_value(after, name) - metric_value(before, name) == grew, name
 
 
 

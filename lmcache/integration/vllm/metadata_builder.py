@@ -18,7 +18,7 @@ import torch
 
 from lmcache.integration.vllm.blend_planner import BlendRules
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
-from lmcache.integration.vllm.pd import Fingerprint
+from lmcache.integration.vllm.pd import Fingerprint, PDPolicy
 from lmcache.integration.vllm.naming import default_socket_dir, instance_id, socket_dir_problem
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
@@ -86,6 +86,8 @@ class AdapterSettings:
     kv_groups: KVGroups = KVGroups("FullAttentionSpec")
     save_only_first_rank: bool = False
     """Only tensor-parallel rank 0 stores (MLA: every rank holds the same latent KV)."""
+    pd: PDPolicy | None = None
+    """Which disaggregated-prefill parameters this instance honours (None: ``enable_pd`` off)."""
 
     @property
     def chunk_size(self) -> int:
@@ -192,8 +194,10 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         where = "extra_config.lookup_socket_dir" if lookup.socket_dir else "the default lookup socket directory"
         hint = "" if lookup.socket_dir else " (set extra_config.lookup_socket_dir, or a shorter XDG_RUNTIME_DIR / TMPDIR)"
         raise ConfigError(f"{where}: {problem}{hint}")
+    pd = None
     if config.enable_pd:
         check_pd_role(config.pd_role, role)
+        pd = pd_policy(config, role)
         if not config.save_unfull_chunk:
             logger.info("lmcache: enable_pd stores whole prompts, partial last chunk included (save_unfull_chunk)")
             config.save_unfull_chunk = True
@@ -220,6 +224,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         lookup_timeout=lookup.timeout,
         kv_groups=kv_groups,
         save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,
+        pd=pd,
     )
 
 
@@ -287,6 +292,22 @@ def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | N
         config.blend_special_str, list(ids), list(config.blend_ratios), list(config.blend_layers), config.blend_min_tokens,
     )  # fmt: skip
     return BlendRules(ids, config.blend_min_tokens)
+
+
+def pd_policy(config: LMCacheEngineConfig, kv_role: str) -> PDPolicy:
+    """The PD requests this instance honours (:class:`PDPolicy`); ConfigError for a decoder
+    without ``pd_secret``, and one log line for a ``kv_both`` node that honours none."""
+    policy = PDPolicy.of(config.pd_role, kv_role, config.pd_secret)
+    if policy.receive and config.pd_secret is None:
+        raise ConfigError(
+            f"pd_secret: required on a decoder (kv_role {kv_role!r}, pd_role {config.pd_role or 'from kv_role'}): "
+            "it honours do_remote_prefill only when the proxy signed the parameters with this shared secret. "
+            "Set pd_secret (or LMCACHE_PD_SECRET) to the same value on the proxy and every prefiller and decoder"
+        )
+    if not (policy.send or policy.receive):
+        logger.warning("lmcache: enable_pd with kv_role %r and no pd_role: this instance honours no "
+                       "kv_transfer_params (set pd_role: sender, receiver or both)", kv_role)  # fmt: skip
+    return policy
 
 
 def check_pd_role(pd_role: str | None, kv_role: str) -> None:

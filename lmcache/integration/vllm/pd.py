@@ -10,15 +10,25 @@ passes them to a decoder (``{"do_remote_prefill": true, "remote_num_tokens": N,
 "lmcache": {...}}``), which waits (bounded by ``pd_wait_timeout``) until the announced
 tokens are found, loads them and computes only the last prompt token.
 
+Who is honoured (:class:`PDPolicy`): a node acts on ``do_remote_decode`` only in the
+``sender`` role and on ``do_remote_prefill`` only in the ``receiver`` role (``pd_role``,
+default from vLLM's ``kv_role``: ``kv_producer`` sends, ``kv_consumer`` receives,
+``kv_both`` does neither unless ``pd_role: both``), and a receiver only with parameters
+the proxy signed (:mod:`lmcache.pd.signing`, the shared ``pd_secret``): a client of the
+decoder's own API cannot make it wait. Anything refused is served as a normal request.
+
 Stateless: pure functions and frozen dataclasses. ``kv_transfer_params`` come from HTTP
 clients, so they are validated here, once; anything malformed is "not a PD request".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from lmcache.pd import signing
 
 FINGERPRINT_KEY = "lmcache"
 """Key of the fingerprint in ``kv_transfer_params``."""
@@ -55,12 +65,14 @@ class Fingerprint:
                 out.append(f"{f.name}: prefiller {other!r} != decoder {mine!r}")
         return out
 
-    def transfer_params(self, num_tokens: int) -> dict[str, Any]:
-        """What a prefiller's ``request_finished`` returns for the decoder leg."""
+    def transfer_params(self, prompt: Sequence[int]) -> dict[str, Any]:
+        """What a prefiller's ``request_finished`` returns for the decoder leg of ``prompt``
+        (its token ids): the proxy signs these before passing them on."""
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_num_tokens": int(num_tokens),
+            "remote_num_tokens": len(prompt),
+            signing.DIGEST_KEY: signing.prompt_digest(prompt),
             FINGERPRINT_KEY: self.as_params(),
         }
 
@@ -109,3 +121,38 @@ def read_transfer_params(request: Any) -> PDRequest | None:
     if fingerprint is not None and not isinstance(fingerprint, Mapping):
         raise BadTransferParams(f"kv_transfer_params.{FINGERPRINT_KEY}={fingerprint!r}: expected a JSON object")
     return PDRequest(send, receive, expected, fingerprint)
+
+
+ROLES_OF_KV_ROLE = {"kv_producer": "sender", "kv_consumer": "receiver", "kv_both": None}
+"""Default ``pd_role`` by vLLM's ``kv_role`` (None: honour no PD parameters)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PDPolicy:
+    """Which PD requests this node honours (see the module docstring)."""
+
+    send: bool
+    """Act on ``do_remote_decode`` (store the prompt durably, answer with decoder parameters)."""
+    receive: bool
+    """Act on ``do_remote_prefill`` (wait for the announced KV), when signed with ``secret``."""
+    secret: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, pd_role: str | None, kv_role: str, secret: str | None) -> PDPolicy:
+        role = pd_role if pd_role is not None else ROLES_OF_KV_ROLE.get(kv_role)
+        return cls(send=role in ("sender", "both"), receive=role in ("receiver", "both"), secret=secret)
+
+    def refusal(self, pd: PDRequest, params: Mapping[str, Any], prompt: Sequence[int],
+                now: float | None = None) -> str | None:
+        """Why ``pd`` (read from ``params``, for the prompt ``prompt``) is not honoured here; None to honour it."""
+        if pd.send and not self.send:
+            return "do_remote_decode on a node whose pd_role is not sender or both"
+        if pd.receive:
+            if not self.receive:
+                return "do_remote_prefill on a node whose pd_role is not receiver or both"
+            if self.secret is None:
+                return "do_remote_prefill without a pd_secret on this decoder"
+            verdict = signing.verify(params, self.secret, prompt, now=time.time() if now is None else now)
+            if not verdict.ok:
+                return f"do_remote_prefill {verdict.reason}"
+        return None

@@ -44,7 +44,7 @@ from lmcache.integration.vllm.blend_planner import BlendPlanner
 from lmcache.integration.vllm.connector_metadata import BlendSpec, LoadSpec, ReqMeta, SaveSpec, SegmentRef
 from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.failure_log import failure_logger
-from lmcache.integration.vllm.pd import BadTransferParams, PDRequest, read_transfer_params
+from lmcache.integration.vllm.pd import BadTransferParams, PDPolicy, PDRequest, read_transfer_params
 from lmcache.integration.vllm.request_inputs import request_key_extras, slot_mapping
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,8 @@ class RequestTracker:
     """What the request's ``kv_transfer_params`` ask for (disaggregated prefill; ``enable_pd``)."""
     pd_deadline: float | None = None
     """Decoder: monotonic time until which the scheduler side waits for the announced KV."""
+    pd_next_poll: float = 0.0
+    """Decoder: monotonic time before which a waiting request is not looked up again."""
     segments: list[tuple[int, int]] | None = None
     """Blending: the prompt's segments ``(start, end)`` (split once, on first lookup)."""
     blend: BlendSpec | None = None
@@ -135,8 +137,9 @@ class PlannerConfig:
     window: WindowRule | None = None
     """Set for an all-sliding-window model: which blocks vLLM keeps (see :meth:`RequestPlanner.offer`
     and :meth:`RequestPlanner._plan`)."""
-    pd: bool = False
-    """Honour ``kv_transfer_params`` (``enable_pd``): a prefiller's saves are made durable."""
+    pd: PDPolicy | None = None
+    """Which ``kv_transfer_params`` to honour (``enable_pd``; None: off): a prefiller's saves
+    are made durable, a decoder waits for signed announced KV."""
     blend: bool = False
     """Blending on: complete prompts store their segments; blended prompts store exact chunks only."""
 
@@ -148,7 +151,8 @@ class RequestPlanner:
         self.config = config
         self._trackers: dict[str, RequestTracker] = {}
         self.warn = failure_logger(logger)
-        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0}
+        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
+                         "pd_refused": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
 
     @property
@@ -189,13 +193,21 @@ class RequestPlanner:
         except BadTransferParams as exc:
             self.warn("pd-params", "lmcache: request %s: %s; served as a normal request", request.request_id, exc)
             return None
-        if pd is not None and not self.config.pd:
+        if pd is None:
+            return None
+        if self.config.pd is None:
             self.warn(
                 "pd-off",
                 "lmcache: request %s carries disaggregated-prefill kv_transfer_params but enable_pd is off; "
                 "served as a normal request",
                 request.request_id,
             )
+            return None
+        why = self.config.pd.refusal(pd, request.kv_transfer_params, request.prompt_token_ids)
+        if why is not None:
+            self.counters["pd_refused"] += 1
+            self.warn("pd-refused:" + why, "lmcache: request %s: %s; served as a normal request (logged once per "
+                      "reason; see docs/disaggregated.md)", request.request_id, why)  # fmt: skip
             return None
         return pd
 

@@ -1,9 +1,14 @@
 """Scheduler-side half of the adapter: lookups, request tracking, connector metadata.
 
 Runs on vLLM's scheduler thread. Lookups block for at most the lookup timeout per
-tensor-parallel rank (see :mod:`.lookup_service`); everything else is bookkeeping. A
-disaggregated decode (:mod:`.pd`) whose KV has not arrived answers None ("ask again")
-after a 2 ms pause, until ``pd_wait_timeout``.
+tensor-parallel rank (see :mod:`.lookup_service`); everything else is bookkeeping.
+
+A disaggregated decode (:mod:`.pd`, signed parameters only) whose KV has not arrived
+answers None ("ask again"), until ``pd_wait_timeout``. Waiting costs the other requests
+little: a waiting request is looked up again at most every :data:`PD_POLL_SECONDS`; the
+scheduler pauses at most once per step, and only after a step that ran nothing (vLLM's
+engine loop would otherwise spin); at most ``pd_max_waiting`` requests wait at once
+(more are computed at once); and nobody waits while the remote tier's breaker is open.
 Any exception is logged once per kind and answered as "nothing cached", so a broken
 cache makes vLLM compute, never fail.
 
@@ -33,13 +38,16 @@ from lmcache.integration.vllm.naming import engine_for, socket_path
 from lmcache.integration.vllm.stats_registry import register_scheduler_stats, unregister_scheduler_stats
 
 from lmcache.v1.request import KEY_EXTRA_NAMES
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
 MAX_MEMOS = 4096
-PD_POLL_SECONDS = 0.002
-"""Pause of a decoder's lookup that is still waiting for a prefiller's KV (vLLM's engine
-loop asks again at once when nothing else is scheduled)."""
+PD_POLL_SECONDS = 0.005
+"""Shortest interval between two lookups of one request waiting for a prefiller's KV."""
+PD_IDLE_PAUSE_SECONDS = 0.002
+"""Pause, at most once per scheduler step and only after a step that scheduled nothing,
+while requests wait for a prefiller's KV (vLLM's engine loop asks again at once)."""
 
 
 @dataclass(slots=True)
@@ -117,6 +125,15 @@ class LookupDispatcher:
         self.used_socket = True
         return self._client.lookup_segments(tokens, bounds, extras)
 
+    def remote_available(self) -> bool | None:
+        """Whether the workers' remote tier takes calls (False: its breaker is open or it is
+        disabled); None when unknown (no in-process engines, or no remote tier)."""
+        engines = self._engines()
+        if engines is None:
+            return None
+        states = [b.available for e in engines for b in e.storage_manager.backends if b.tier == Tier.REMOTE]
+        return all(states) if states else None
+
     def lookup_again(self, keys: list[Any]) -> int | None:
         """Probe keys from :meth:`lookup_keyed` again; None when the engines changed."""
         engines = self._engines()
@@ -157,13 +174,19 @@ class SchedulerConnector:
                 save_decode=settings.config.save_decode_cache,
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
-                pd=settings.config.enable_pd,
+                pd=settings.pd,
                 blend=self.blender is not None,
             )
         )
         self.fingerprint = settings.fingerprint
         self.lookups = lookups if lookups is not None else LookupDispatcher(settings)
         self._memos: dict[str, LookupMemo] = {}
+        self._pd_waiting: set[str] = set()
+        """Requests waiting for a prefiller's KV (at most ``pd_max_waiting``)."""
+        self._step_idle = True
+        """The last scheduler step scheduled nothing (set in :meth:`build_connector_meta`)."""
+        self._paused = False
+        """The scheduler paused for PD waiters since the last step."""
         self.warn = failure_logger(logger)
         self.counters = {
             "lookups": 0,
@@ -176,6 +199,8 @@ class SchedulerConnector:
             "pd_waits": 0,
             "pd_fallbacks": 0,
             "pd_fingerprint_mismatches": 0,
+            "pd_wait_refused": 0,
+            "pd_remote_down": 0,
             "blend_lookups": 0,
             "blend_offers": 0,
             "blend_offered_reused_tokens": 0,
@@ -192,6 +217,8 @@ class SchedulerConnector:
         """External tokens vLLM may load for ``request``; None (disaggregated decode only):
         the announced KV has not arrived yet, ask again later."""
         try:
+            if self._pd_poll_later(request):
+                return None
             hit = self._lookup_again(request)
             if hit is None:
                 tokens = self.planner.lookup_tokens(request)
@@ -254,12 +281,31 @@ class SchedulerConnector:
             )  # fmt: skip
         return spec
 
+    def _pd_poll_later(self, request: Any) -> bool:
+        """True when ``request`` waits for a prefiller's KV and was looked up less than
+        :data:`PD_POLL_SECONDS` ago (answer "ask again" without a lookup)."""
+        tracker = self.planner.get(request.request_id)
+        if tracker is None or tracker.pd is None or tracker.pd_deadline is None:
+            return False
+        if time.monotonic() >= tracker.pd_next_poll:
+            return False
+        self._idle_pause()
+        return True
+
+    def _idle_pause(self) -> None:
+        """Pause once per step while requests wait, only after a step that ran nothing."""
+        if self._step_idle and not self._paused:
+            self._paused = True
+            time.sleep(PD_IDLE_PAUSE_SECONDS)
+
     def _wait_for_prefiller(self, tracker: RequestTracker, hit: int) -> int | None:
         """Decoder side of disaggregated prefill: ``hit`` once the tokens the prefiller
-        announced are found (or on a fingerprint mismatch, or after ``pd_wait_timeout``: a
-        counted fallback, the rest is computed here); None while still waiting."""
+        announced are found (or on a fingerprint mismatch, with the remote tier down, with
+        ``pd_max_waiting`` requests already waiting, or after ``pd_wait_timeout``: a counted
+        fallback, the rest is computed here); None while still waiting."""
         pd = tracker.pd
         assert pd is not None
+        cfg = self.settings.config
         if tracker.pd_deadline is None:
             self.counters["pd_received_requests"] += 1
             diffs = self.fingerprint.differences(pd.fingerprint) if pd.fingerprint is not None else []
@@ -274,16 +320,29 @@ class SchedulerConnector:
                 )
                 tracker.pd = None
                 return hit
-            tracker.pd_deadline = time.monotonic() + self.settings.config.pd_wait_timeout
         expected = min(pd.expected_tokens if pd.expected_tokens is not None else tracker.prompt_len, tracker.prompt_len)
         if hit >= expected:
-            tracker.pd = None
-            return hit
-        if time.monotonic() < tracker.pd_deadline:
+            return self._pd_done(tracker, hit)
+        if self.lookups.remote_available() is False:
+            self.counters["pd_remote_down"] += 1
+            self.warn("pd-remote-down", "lmcache PD: request %s: the remote tier is unavailable (breaker open); "
+                      "computing the prompt here without waiting", tracker.req_id)  # fmt: skip
+            return self._pd_done(tracker, hit, fallback=True)
+        now = time.monotonic()
+        if tracker.pd_deadline is None:
+            self._pd_waiting = {r for r in self._pd_waiting if self.planner.get(r) is not None}  # drop the gone
+            if len(self._pd_waiting) >= cfg.pd_max_waiting:
+                self.counters["pd_wait_refused"] += 1
+                self.warn("pd-wait-refused", "lmcache PD: request %s: %d requests already wait for a prefiller's "
+                          "KV (pd_max_waiting); computing the prompt here", tracker.req_id, len(self._pd_waiting))
+                return self._pd_done(tracker, hit, fallback=True)
+            tracker.pd_deadline = now + cfg.pd_wait_timeout
+            self._pd_waiting.add(tracker.req_id)
+        if now < tracker.pd_deadline:
             self.counters["pd_waits"] += 1
-            time.sleep(PD_POLL_SECONDS)  # vLLM asks again at its next step: do not spin on the scheduler
+            tracker.pd_next_poll = now + PD_POLL_SECONDS
+            self._idle_pause()
             return None
-        self.counters["pd_fallbacks"] += 1
         self.warn(
             "pd-timeout",
             "lmcache PD: request %s: %d of the %d tokens the prefiller announced were found within "
@@ -291,8 +350,15 @@ class SchedulerConnector:
             tracker.req_id,
             hit,
             expected,
-            self.settings.config.pd_wait_timeout,
+            cfg.pd_wait_timeout,
         )
+        return self._pd_done(tracker, hit, fallback=True)
+
+    def _pd_done(self, tracker: RequestTracker, hit: int, *, fallback: bool = False) -> int:
+        """End ``tracker``'s wait with ``hit`` (a counted fallback when the KV did not all come)."""
+        if fallback:
+            self.counters["pd_fallbacks"] += 1
+        self._pd_waiting.discard(tracker.req_id)
         tracker.pd = None
         return hit
 
@@ -327,6 +393,8 @@ class SchedulerConnector:
             self.warn("alloc", "lmcache: tracking request failed (%s: %s)", type(exc).__name__, exc)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
+        self._step_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
+        self._paused = False
         try:
             return LMCacheConnectorMetadata(self.planner.build(scheduler_output))
         except Exception as exc:  # noqa: BLE001
@@ -345,10 +413,11 @@ class SchedulerConnector:
         tracker = self.planner.get(request.request_id)
         params = None
         if tracker is not None and tracker.pd is not None and tracker.pd.send:
-            params = self.fingerprint.transfer_params(tracker.prompt_len)
+            params = self.fingerprint.transfer_params(list(request.prompt_token_ids))
             self.counters["pd_sent_requests"] += 1
         self.planner.finish(request.request_id)
         self._memos.pop(request.request_id, None)
+        self._pd_waiting.discard(request.request_id)
         return False, params
 
     def close(self) -> None:
