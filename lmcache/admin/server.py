@@ -1,69 +1,70 @@
-"""The admin API's HTTP layer (FastAPI): routes, authentication and error mapping.
+"""The admin API's HTTP layer (FastAPI): routes, error mapping, and how it is served.
 
-Routes (docs/admin.md): ``GET /health`` (never authenticated), ``GET /instances``,
-``POST /lookup``, ``POST /clear``, ``POST /pin``. With a token every route but
-``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise). Errors are JSON
-``{"error": "<field or thing>: <why>"}``: 422 for an invalid body (the field's path
-first), 404 for an unknown instance, 400 for a request that cannot be served as asked,
-502 when an instance or the remote store fails; a POST needs a Content-Length of at
-most :data:`MAX_BODY_BYTES` (411/413 otherwise). Routes are plain functions: FastAPI
-runs them on its thread pool, so blocking socket and Redis calls never stall the loop.
+Routes (docs/admin.md): ``GET /health`` (no token), ``GET /instances``, ``POST /lookup``,
+``POST /clear``, ``POST /pin``, ``POST /unpin``. Every request passes, in this order:
+
+1. :class:`~lmcache.admin.guard.AccessGuard`: an allowed ``Host`` (421 otherwise), then
+   ``Authorization: Bearer <token>`` on every route but ``/health`` (401 otherwise). The
+   token is always required.
+2. :class:`lmcache.http_server.BodyLimit`: the body read whole within
+   :data:`ADMIN_LIMITS` (413 over :data:`MAX_BODY_BYTES`, chunked bodies included; 408 when
+   too slow).
+3. The route: its body is parsed and validated (:func:`~lmcache.admin.schemas.parse_body`)
+   and the operation run on the thread pool, never on the event loop, so a large body
+   or a blocking socket or Redis call does not stall other requests (``/health``).
+
+Errors are JSON ``{"error": "<field or thing>: <why>"}``: 422 for an invalid body (the
+field's path first, and ``detail``), 404 for an unknown instance, 400 for a request that
+cannot be served as asked, 429 when a worker's limit is reached (admin pins), 502 when an
+instance or the remote store fails.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+import os
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from lmcache import __version__
-from lmcache.admin.auth import check_bind, token_matches
-from lmcache.admin.schemas import ClearBody, LookupBody, PinBody
-from lmcache.admin.service import AdminService, BadRequest, NotFound
+from lmcache.admin.auth import DEFAULT_HOSTS
+from lmcache.admin.guard import AccessGuard
+from lmcache.admin.schemas import ClearBody, InvalidBody, LookupBody, PinBody, UnpinBody, parse_body
+from lmcache.admin.service import AdminService, BadRequest, LimitReached, NotFound
+from lmcache.http_server import ASGIApp, BodyLimit, ServerLimits, uvicorn_config
+from lmcache.v1.private_files import ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket
+
+if TYPE_CHECKING:
+    import uvicorn
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20
-"""Largest request body (1M token ids as JSON take about 8 MB; a prompt at most 8M characters)."""
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body: 1,000,000 token ids as JSON take about 8 MB."""
+ADMIN_LIMITS = ServerLimits(max_body_bytes=MAX_BODY_BYTES, body_timeout=30.0, header_timeout=10.0,
+                            limit_concurrency=64, timeout_keep_alive=5)
+"""How the admin API is served: body size and time, header deadline (slowloris), connections at once, keep-alive."""
 
 
-def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or "body"
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """The JSON of an error answered before the app (413, 408: :class:`~lmcache.http_server.BodyLimit`)."""
+    return {"error": message}
 
 
-def _validation_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    details = [{"field": _field_path(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()[:20]]
-    text = "; ".join(f"{d['field']}: {d['msg']}" for d in details) or "invalid request body"
-    return JSONResponse({"error": text, "detail": details}, status_code=422)
+def _invalid(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidBody)
+    return JSONResponse({"error": str(exc), "detail": exc.details}, status_code=422)
 
 
-def create_app(service: AdminService, token: str | None = None) -> FastAPI:
-    """The app over ``service``; ``token`` (None: no authentication) guards every route but /health."""
+def _api(service: AdminService) -> FastAPI:
+    """The routes over ``service`` (no access checks or body limits: see :func:`create_app`)."""
     app = FastAPI(title="lmcache admin", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        # before routing and body parsing: an unauthenticated caller learns nothing but 401
-        if token is not None and request.url.path != "/health":
-            if not token_matches(token, request.headers.get("authorization")):
-                return JSONResponse({"error": "authorization: expected 'Bearer <token>' with the admin token"},
-                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        if request.method == "POST":
-            size = request.headers.get("content-length")
-            if size is None or not size.isdigit():
-                return JSONResponse({"error": "content-length: required for a request body"}, status_code=411)
-            if int(size) > MAX_BODY_BYTES:
-                return JSONResponse({"error": f"body: {size} bytes; expected at most {MAX_BODY_BYTES}"},
-                                    status_code=413)
-        return await call_next(request)
-
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(InvalidBody, _invalid)
 
     @app.exception_handler(NotFound)
     def _not_found(_: Request, exc: Exception) -> JSONResponse:
@@ -73,38 +74,114 @@ def create_app(service: AdminService, token: str | None = None) -> FastAPI:
     def _bad_request(_: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
+    @app.exception_handler(LimitReached)
+    def _limit(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=429)
+
     @app.exception_handler(RuntimeError)
     def _upstream(_: Request, exc: Exception) -> JSONResponse:
         logger.warning("lmcache admin: %s", exc)
         return JSONResponse({"error": str(exc)}, status_code=502)
 
+    async def run(request: Request, op: Callable[[Any], dict[str, Any]], model: type) -> dict[str, Any]:
+        raw = await request.body()  # already read whole by BodyLimit
+        return await run_in_threadpool(lambda: op(parse_body(model, raw)))
+
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "version": __version__}
+        return {"status": "ok"}
 
     @app.get("/instances")
     def instances() -> dict[str, Any]:
         return service.instances()
 
     @app.post("/lookup")
-    def lookup(body: LookupBody) -> dict[str, Any]:
-        return service.lookup(body)
+    async def lookup(request: Request) -> dict[str, Any]:
+        return await run(request, service.lookup, LookupBody)
 
     @app.post("/clear")
-    def clear(body: ClearBody) -> dict[str, Any]:
-        return service.clear(body)
+    async def clear(request: Request) -> dict[str, Any]:
+        return await run(request, service.clear, ClearBody)
 
     @app.post("/pin")
-    def pin(body: PinBody) -> dict[str, Any]:
-        return service.pin(body)
+    async def pin(request: Request) -> dict[str, Any]:
+        return await run(request, service.pin, PinBody)
+
+    @app.post("/unpin")
+    async def unpin(request: Request) -> dict[str, Any]:
+        return await run(request, service.unpin, UnpinBody)
 
     return app
 
 
-def serve(service: AdminService, *, host: str, port: int, token: str | None) -> None:
-    """Run the API until interrupted (ValueError from :func:`check_bind` before listening)."""
+def create_app(service: AdminService, token: str, *, allowed_hosts: frozenset[str] = frozenset(DEFAULT_HOSTS),
+               limits: ServerLimits = ADMIN_LIMITS) -> ASGIApp:
+    """The whole admin API as one ASGI app: access guard, body limit, routes (module docstring)."""
+    return AccessGuard(BodyLimit(_api(service), limits, error_body), token=token, allowed=allowed_hosts)
+
+
+def _peer_checked(protocol: type) -> type:
+    """``protocol`` (uvicorn's HTTP protocol class) closing unix-socket connections of another uid."""
+
+    class PeerCheckedProtocol(protocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family == socket.AF_UNIX and not peer_is_us(sock):
+                logger.warning("lmcache admin: refused a unix-socket connection from uid %s", peer_uid(sock))
+                transport.close()
+
+    return PeerCheckedProtocol
+
+
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening unix socket at ``path`` (mode 0600) in a private directory (created 0700
+    or verified: :mod:`lmcache.v1.private_files`); a dead socket of ours there is replaced.
+    Raises UnsafePathError / OSError naming the path (EADDRINUSE when a server listens)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    ensure_private_dir(directory, what="admin socket directory")
+    if not remove_stale_socket(path):
+        raise OSError(f"--unix-socket {path}: a live server already listens there")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def build_server(service: AdminService, *, token: str, host: str = "127.0.0.1", port: int = 8100,
+                 allowed_hosts: frozenset[str] = frozenset(DEFAULT_HOSTS), limits: ServerLimits = ADMIN_LIMITS,
+                 unix_socket: bool = False, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for the admin API under ``limits`` (not started: ``.run()`` it, or
+    ``.run(sockets=[bind_unix_socket(path)])`` with ``unix_socket``, whose connections are
+    then checked with SO_PEERCRED: only our uid is served)."""
     import uvicorn
 
-    check_bind(host, token)
-    logger.info("lmcache admin API on http://%s:%d (%s)", host, port, "token required" if token else "no token")
-    uvicorn.run(create_app(service, token), host=host, port=port, log_level="info", access_log=False)
+    app = create_app(service, token, allowed_hosts=allowed_hosts, limits=limits)
+    config = uvicorn_config(app, host=host, port=port, limits=limits, log_level=log_level)
+    if unix_socket:
+        config.http = _peer_checked(config.http)
+    return uvicorn.Server(config)
+
+
+def serve(service: AdminService, *, token: str, host: str, port: int, allowed_hosts: frozenset[str],
+          unix_socket: str | None = None) -> None:
+    """Run the API until interrupted: on ``unix_socket`` when given, else on ``host:port``."""
+    if unix_socket is not None:
+        sock = bind_unix_socket(unix_socket)
+        logger.info("lmcache admin API on unix socket %s (token required)", unix_socket)
+        try:
+            build_server(service, token=token, allowed_hosts=allowed_hosts, unix_socket=True).run(sockets=[sock])
+        finally:
+            sock.close()
+            try:
+                os.unlink(unix_socket)
+            except FileNotFoundError:
+                pass
+        return
+    logger.info("lmcache admin API on http://%s:%d (token required)", host, port)
+    build_server(service, token=token, host=host, port=port, allowed_hosts=allowed_hosts).run()

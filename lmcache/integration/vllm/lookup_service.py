@@ -17,8 +17,9 @@ tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "segments", "s
 ``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
 The admin API's ops (served only when the server has a ``WorkerAdmin``,
 :mod:`.worker_admin`): ``{"op": "tiers", "extras"}`` + tokens -> ``{"tiers": {tier: n}}``;
-``{"op": "clear"}`` -> ``{"cleared": {...}}``; ``{"op": "pin", "ttl", "extras"}`` +
-tokens -> ``{"pin_id", "pinned_tokens", "ttl"}``.
+``{"op": "clear", "unpin": bool}`` -> ``{"cleared": {...}}``; ``{"op": "pin", "ttl", "extras"}`` +
+tokens -> ``{"pin_id", "pinned_tokens", "ttl"}`` (or ``"refused"`` at the pin limit);
+``{"op": "unpin", "pin_ids": [...] | null}`` -> ``{"unpinned": [...], "unknown": [...]}``.
 
 Threads: the server accepts and answers on its own daemon threads (one per
 connection) and only calls the thread-safe ``LMCacheEngine.lookup``,
@@ -198,7 +199,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return {"stats": self._stats()}
         if op == "ping":
             return {}
-        if op in ("tiers", "clear", "pin") and self._admin is not None:
+        if op in ("tiers", "clear", "pin", "unpin") and self._admin is not None:
             return self._dispatch_admin(op, header, payload)
         return {"error": f"unknown op {op!r}"}
 
@@ -207,7 +208,9 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         assert admin is not None
         extras = dict(header.get("extras") or {})
         if op == "clear":
-            return {"cleared": admin.clear()}
+            return {"cleared": admin.clear(unpin=header.get("unpin", False))}
+        if op == "unpin":
+            return admin.unpin(header.get("pin_ids"))
         tokens = np.frombuffer(payload, dtype="<i4")
         if op == "tiers":
             return {"tiers": admin.tier_hits(tokens, extras)}
