@@ -2,9 +2,10 @@
 
 State per instance is one flag, ``up``. The background health check
 (:meth:`InstancePool.check_all`, run every ``health_interval`` seconds by the proxy) sets
-it from ``GET <url>/health`` (200: up; anything else, or no answer: down). A request
-that fails on an instance (no connection, timeout, a 5xx answer) marks it down at once
-(:meth:`InstancePool.mark_down`); only a later good health check brings it back.
+it from ``GET <url>/health`` (200: up; anything else, or no answer: down), and nothing
+else does: a request that fails on an instance (no connection, timeout, a 5xx answer)
+leaves it in rotation. One bad request (or one slow generation) must not take every
+instance out until the next check; an instance that is really gone fails its check.
 
 Everything here runs on the proxy's event loop (one thread): no locks.
 """
@@ -78,12 +79,6 @@ class InstancePool:
                 self._next = (self._next + i + 1) % n
                 return inst
         return None
-
-    def mark_down(self, inst: Instance, reason: str) -> None:
-        """Take ``inst`` out of rotation until its next good health check."""
-        if inst.up:
-            logger.warning("lmcache proxy: %s instance %s marked down (%s)", self.role, inst.url, reason)
-        inst.up = False
 
     def any_up(self) -> bool:
         return any(inst.up for inst in self.instances)

@@ -14,157 +14,31 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lmcache.cli import main
+from lmcache.pd import signing
 from lmcache.pd.proxy import PREFILL_PARAMS, Proxy, ProxyConfig
 from lmcache.pd.sse import SSEFilter, strip_json_body
+from tests.pd.fakes import (
+    DEADLINE,
+    PARAMS,
+    PROMPT_TOKENS,
+    SECRET,
+    Fake,
+    Served,  # noqa: F401 - tests/vllm_adapter/test_pd_e2e.py imports it from here
+    closed_url,
+    serve_proxy,
+    stop_all,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-DEADLINE = 10.0
 AUTH = {"Authorization": "Bearer test-key"}
-PARAMS = {"do_remote_prefill": True, "remote_num_tokens": 7, "lmcache": {"fingerprint": "abc"}}
-
-
-def _compact(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
-def wait_for(cond, what: str, deadline: float = DEADLINE) -> None:
-    """Poll ``cond()`` until it is true; fail after ``deadline`` seconds."""
-    end = time.monotonic() + deadline
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-class Served:
-    """``app`` served by uvicorn in a daemon thread on a free port of 127.0.0.1."""
-
-    def __init__(self, app: Any) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started or not self.thread.is_alive(), "server start")
-        assert self.server.started, "server failed to start"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(DEADLINE)
-
-
-def stop_all(served: list[Served]) -> None:
-    """Stop several servers at once (each takes a tenth of a second to notice)."""
-    for s in served:
-        s.server.should_exit = True
-    for s in served:
-        s.thread.join(DEADLINE)
-
-
-def closed_url() -> str:
-    """A URL nothing listens on (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "http://127.0.0.1:%d" % s.getsockname()[1]
-
-
-@dataclass
-class Fake:
-    """A fake vLLM OpenAI server; ``mode`` chooses how it answers completion requests."""
-
-    name: str
-    mode: str = "ok"  # ok | 500 | no_params | hang (until gate is set)
-    healthy: bool = True
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    gate: threading.Event | None = None  # a stream waits for it after its first event
-    served: Served | None = None
-
-    # what this fake answers, so tests can compare byte for byte
-    def completion(self, chat: bool) -> dict[str, Any]:
-        key = "message" if chat else "text"
-        value: Any = {"role": "assistant", "content": f"hi from {self.name}"} if chat else f"hi from {self.name}"
-        return {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
-                "choices": [{"index": 0, key: value, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-                "kv_transfer_params": dict(PARAMS) if self.mode == "ok" else None}
-
-    def events(self, chat: bool) -> list[bytes]:
-        out = []
-        for i, piece in enumerate(("hi ", "from ", self.name)):
-            delta = {"delta": {"content": piece}} if chat else {"text": piece}
-            chunk: dict[str, Any] = {"id": "cmpl-1", "choices": [{"index": 0, **delta}]}
-            if i == 2:
-                chunk["kv_transfer_params"] = {"leak": True}
-            out.append(f"data: {_compact(chunk)}\n\n".encode())
-        out.append(b"data: [DONE]\n\n")
-        return out
-
-    def app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.get("/health")
-        async def health() -> Response:
-            return Response(status_code=200 if self.healthy else 503)
-
-        @app.get("/v1/models")
-        async def models() -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
-
-        async def generate(request: Request, chat: bool) -> Response:
-            body = await request.json()
-            self.calls.append({"path": request.url.path, "headers": dict(request.headers), "body": body})
-            if self.mode == "hang":
-                assert self.gate is not None and await anyio.to_thread.run_sync(self.gate.wait, DEADLINE)
-            if self.mode == "500":
-                return JSONResponse({"error": {"message": f"{self.name} broke", "code": 500}}, status_code=500)
-            if body.get("stream"):
-                events = self.events(chat)
-
-                async def gen():
-                    yield events[0]
-                    if self.gate is not None:
-                        assert await anyio.to_thread.run_sync(self.gate.wait, DEADLINE)
-                    for e in events[1:]:
-                        yield e
-
-                return StreamingResponse(gen(), media_type="text/event-stream")
-            answer = self.completion(chat)
-            if self.mode == "no_params":
-                del answer["kv_transfer_params"]
-            return Response(_compact(answer), media_type="application/json")
-
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Response:
-            return await generate(request, chat=False)
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> Response:
-            return await generate(request, chat=True)
-
-        return app
-
-    def start(self) -> Fake:
-        self.served = Served(self.app())
-        return self
-
-    @property
-    def url(self) -> str:
-        assert self.served is not None
-        return self.served.url
 
 
 @pytest.fixture
@@ -180,10 +54,12 @@ def make_proxy() -> Iterator[Any]:
     clients: list[httpx.Client] = []
 
     def make(
-        prefill: list[str], decode: list[str], health_interval: float = 3600.0, timeout: float = DEADLINE
+        prefill: list[str], decode: list[str], health_interval: float = 3600.0, timeout: float = DEADLINE,
+        **options: Any,
     ) -> tuple[Proxy, httpx.Client]:
-        proxy = Proxy(ProxyConfig(tuple(prefill), tuple(decode), health_interval=health_interval, timeout=timeout))
-        served = Served(proxy.app())
+        config = ProxyConfig(tuple(prefill), tuple(decode), health_interval=health_interval, timeout=timeout,
+                             secret=SECRET, **options)
+        proxy, served = serve_proxy(config)
         started.append(served)
         clients.append(httpx.Client(base_url=served.url, timeout=DEADLINE))
         return proxy, clients[-1]
@@ -250,9 +126,14 @@ def test_prefill_then_decode(fakes, make_proxy, kind, stream):
     else:
         assert pb["prompt"] == body["prompt"] and pb["n"] == 1
     assert pcall["headers"]["x-request-id"] == request_id and pcall["headers"]["authorization"] == AUTH["Authorization"]
-    # decode leg: the client's body, the prefiller's params
+    # decode leg: the client's body, the prefiller's params signed by the proxy
     (dcall,) = d1.calls
-    assert dcall["body"] == {**body, "kv_transfer_params": PARAMS}
+    dparams = dcall["body"]["kv_transfer_params"]
+    assert dcall["body"] == {**body, "kv_transfer_params": dparams}
+    assert {k: v for k, v in dparams.items() if k != signing.SIGNATURE_KEY} == PARAMS
+    assert signing.verify(dparams, SECRET, PROMPT_TOKENS, now=time.time()).ok
+    assert not signing.verify(dparams, "another-secret-0123456789", PROMPT_TOKENS, now=time.time()).ok
+    assert dparams[signing.SIGNATURE_KEY]["expires"] > time.time() + signing.DEFAULT_TTL_S - 60
     assert dcall["headers"]["x-request-id"] == request_id and dcall["headers"]["authorization"] == AUTH["Authorization"]
     outcome = f'lmcache_proxy_requests_total{{endpoint="{"chat_completions" if kind == "chat" else "completions"}",outcome="ok"}}'
     assert metric(client, outcome) == 1
@@ -262,11 +143,11 @@ def test_prefill_then_decode(fakes, make_proxy, kind, stream):
 
 
 # ------------------------------------------------------------------ fallbacks
-@pytest.mark.parametrize("cause", ["no_prefiller", "status", "no_params"])
+@pytest.mark.parametrize("cause", ["no_prefiller", "status", "no_params", "unsigned"])
 def test_prefill_failure_falls_back_to_a_plain_decode(fakes, make_proxy, cause):
     p1, d1 = fakes["p1"], fakes["d1"]
     prefill_url = closed_url() if cause == "no_prefiller" else p1.url
-    p1.mode = {"status": "500", "no_params": "no_params"}.get(cause, "ok")
+    p1.mode = {"status": "500", "no_params": "no_params", "unsigned": "unsigned"}.get(cause, "ok")
     proxy, client = make_proxy([prefill_url], [d1.url])
     path, body = REQUESTS["completions"]
     for _ in range(2):
@@ -274,12 +155,9 @@ def test_prefill_failure_falls_back_to_a_plain_decode(fakes, make_proxy, cause):
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "hi from d1"
     assert [c["body"] for c in d1.calls] == [body, body]  # no kv_transfer_params
     assert metric(client, 'lmcache_proxy_requests_total{endpoint="completions",outcome="ok"}') == 2
-    if cause == "status":  # a 5xx takes the prefiller out of rotation until its next good health check
-        assert len(p1.calls) == 1 and proxy.prefill.down_urls() == [p1.url]
-        assert metric(client, 'lmcache_proxy_prefill_fallbacks_total{cause="status"}') == 1
-        assert metric(client, 'lmcache_proxy_prefill_fallbacks_total{cause="no_prefiller"}') == 1
-    else:
-        assert metric(client, f'lmcache_proxy_prefill_fallbacks_total{{cause="{cause}"}}') == 2
+    assert metric(client, f'lmcache_proxy_prefill_fallbacks_total{{cause="{cause}"}}') == 2
+    if cause != "no_prefiller":  # a failed request never takes the prefiller out of rotation
+        assert len(p1.calls) == 2 and proxy.prefill.down_urls() == []
 
 
 def test_prefill_connection_error(fakes, make_proxy):
@@ -292,20 +170,21 @@ def test_prefill_connection_error(fakes, make_proxy):
     resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
     assert resp.status_code == 200 and "kv_transfer_params" not in d1.calls[0]["body"]
     assert metric(client, 'lmcache_proxy_prefill_fallbacks_total{cause="connect"}') == 1
-    assert proxy.prefill.down_urls() == [p1.url]
+    assert proxy.prefill.down_urls() == []  # until its health check fails
 
 
 def test_prefill_timeout(fakes, make_proxy):
+    """The prefill leg has its own (short) timeout, not the decode leg's."""
     p1, d1 = fakes["p1"], fakes["d1"]
     p1.mode, p1.gate = "hang", threading.Event()
-    proxy, client = make_proxy([p1.url], [d1.url], timeout=0.5)
+    proxy, client = make_proxy([p1.url], [d1.url], timeout=DEADLINE * 3, prefill_timeout=0.3)
     try:
         resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
     finally:
         p1.gate.set()
     assert resp.status_code == 200 and "kv_transfer_params" not in d1.calls[0]["body"]
     assert metric(client, 'lmcache_proxy_prefill_fallbacks_total{cause="timeout"}') == 1
-    assert proxy.prefill.down_urls() == [p1.url]
+    assert proxy.prefill.down_urls() == []
 
 
 # ------------------------------------------------------------------ routing
@@ -319,7 +198,7 @@ def test_round_robin(fakes, make_proxy):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_failed_decoder_is_retried_on_another_and_marked_down(fakes, make_proxy, stream):
+def test_failed_decoder_is_retried_on_another_and_stays_up(fakes, make_proxy, stream):
     d1, d2 = fakes["d1"], fakes["d2"]
     d1.mode = "500"
     proxy, client = make_proxy([fakes["p1"].url], [d1.url, d2.url])
@@ -327,34 +206,86 @@ def test_failed_decoder_is_retried_on_another_and_marked_down(fakes, make_proxy,
     for _ in range(2):
         resp = client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and b"hi " in resp.content
-    assert len(d1.calls) == 1 and len(d2.calls) == 2
-    assert d2.calls[0]["body"]["kv_transfer_params"] == PARAMS
+    assert len(d1.calls) == 2 and len(d2.calls) == 2  # d1 is still tried: only its health check takes it out
+    assert d2.calls[0]["body"]["kv_transfer_params"] == d1.calls[0]["body"]["kv_transfer_params"]
     assert d2.calls[0]["headers"]["x-request-id"] == d1.calls[0]["headers"]["x-request-id"]
-    assert proxy.decode.down_urls() == [d1.url]
+    assert proxy.decode.down_urls() == []
 
 
 def test_decoder_gone_is_retried_on_another(fakes, make_proxy):
     d1, d2 = fakes["d1"], fakes["d2"]
     proxy, client = make_proxy([fakes["p1"].url], [d1.url, d2.url])
     assert d1.served is not None
-    d1.served.stop()  # passed its health check, then went away
+    d1.served.stop()  # passed its health check, then went away: connection refused, nothing sent
     resp = client.post("/v1/completions", json={**REQUESTS["completions"][1], "stream": True})
     assert resp.status_code == 200 and b"d2" in resp.content and len(d2.calls) == 1
-    assert proxy.decode.down_urls() == [d1.url]
+    assert resp.content.endswith(b"data: [DONE]\n\n")
+    assert proxy.decode.down_urls() == []  # until its health check fails
 
 
 def test_decoder_errors_reach_the_client(fakes, make_proxy):
     d1 = fakes["d1"]
     d1.mode = "500"
-    _, client = make_proxy([fakes["p1"].url], [d1.url, closed_url()])
-    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])  # the only decoder up fails
-    assert resp.status_code == 500 and resp.json()["error"]["message"] == "d1 broke"
-    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])  # now none is up
+    _, client = make_proxy([fakes["p1"].url], [d1.url, closed_url()], health_interval=0.05)
+    for _ in range(2):  # the only decoder up fails, and stays in rotation
+        resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == "d1 broke"
+    assert metric(client, 'lmcache_proxy_requests_total{endpoint="completions",outcome="error"}') == 2
+    d1.healthy = False  # only a failed health check takes it out
+    wait_for(lambda: client.get("/health").status_code == 503, "d1's failed health check")
+    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
     assert resp.status_code == 503 and "no decode instance" in resp.json()["error"]["message"]
-    assert metric(client, 'lmcache_proxy_requests_total{endpoint="completions",outcome="error"}') == 1
     assert metric(client, 'lmcache_proxy_requests_total{endpoint="completions",outcome="unavailable"}') == 1
     resp = client.post("/v1/completions", content=b"[1, 2]")
     assert resp.status_code == 400
+
+
+def test_one_bad_request_does_not_take_the_decoders_down(fakes, make_proxy):
+    """A request that makes every decoder answer 500: the next ordinary request is served."""
+    d1, d2 = fakes["d1"], fakes["d2"]
+    d1.modes, d2.modes = ["500"], ["500"]
+    proxy, client = make_proxy([fakes["p1"].url], [d1.url, d2.url])
+    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
+    assert resp.status_code == 500 and len(d1.calls) == len(d2.calls) == 1
+    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "hi from d1"
+    assert proxy.decode.down_urls() == [] and client.get("/health").status_code == 200
+
+
+def test_decode_timeout_is_504_and_not_run_again(fakes, make_proxy):
+    """A non-streaming decode that times out may have generated: 504, not re-run on another decoder."""
+    d1, d2 = fakes["d1"], fakes["d2"]
+    d1.mode, d1.gate = "hang", threading.Event()
+    proxy, client = make_proxy([fakes["p1"].url], [d1.url, d2.url], timeout=0.3)
+    try:
+        resp = client.post("/v1/completions", json=REQUESTS["completions"][1])
+    finally:
+        d1.gate.set()
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == 504
+    assert len(d1.calls) == 1 and d2.calls == [] and proxy.decode.down_urls() == []
+    resp = client.post("/v1/completions", json=REQUESTS["completions"][1])  # round robin: d2
+    assert resp.status_code == 200 and len(d2.calls) == 1
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e.strip()]
+
+
+@pytest.mark.parametrize("mode", ["break", "no_done"])
+def test_a_stream_cut_short_ends_with_an_error_event(fakes, make_proxy, mode):
+    """A decoder that dies mid-stream (or ends it without [DONE]): the client's stream ends
+    with an SSE error event, never a [DONE]."""
+    d1 = fakes["d1"]
+    d1.mode = mode
+    proxy, client = make_proxy([fakes["p1"].url], [d1.url])
+    resp = client.post("/v1/completions", json={**REQUESTS["completions"][1], "stream": True})
+    assert resp.status_code == 200
+    events = _events(resp.content)
+    assert b"data: [DONE]" not in events and events[0].startswith(b"data: {")
+    last = json.loads(events[-1].removeprefix(b"data: "))
+    assert last["error"]["type"] == "upstream_error" and last["error"]["code"] == 502
+    assert metric(client, 'lmcache_proxy_requests_total{endpoint="completions",outcome="stream_error"}') == 1
+    assert proxy.decode.down_urls() == []
 
 
 def test_health_reflects_the_instances(fakes, make_proxy):
@@ -415,10 +346,11 @@ def test_cli_serves(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env[signing.SECRET_ENV] = SECRET
     log = (tmp_path / "proxy.log").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmcache", "proxy", "--prefill", closed_url(), "--decode", closed_url(),
-         "--port", str(port), "--health-interval", "0.5"],
+         "--port", str(port), "--health-interval", "0.5", "--max-body-bytes", "1000"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     try:
@@ -430,11 +362,78 @@ def test_cli_serves(tmp_path):
                 return False
 
         wait_for(answered, "the proxy's /health", deadline=60)
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b"x" * 1001, timeout=DEADLINE)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == 413
     finally:
         proc.terminate()
         proc.wait(DEADLINE)
     log.seek(0)
-    assert "lmcache proxy: prefill http://127.0.0.1:" in log.read()
+    text = log.read()
+    assert "lmcache proxy: prefill http://127.0.0.1:" in text and "PD secret from $LMCACHE_PD_SECRET" in text
+    assert SECRET not in text
+
+
+@pytest.fixture
+def served_by_cli(monkeypatch) -> Iterator[dict[str, Any]]:
+    """``lmcache proxy`` run in-process up to the point where it would serve: what it would serve."""
+    seen: dict[str, Any] = {}
+
+    def fake_serve(app: Any, **kwargs: Any) -> None:
+        seen.update(kwargs, app=app)
+
+    monkeypatch.setattr("lmcache.http_server.serve", fake_serve)
+    monkeypatch.delenv(signing.SECRET_ENV, raising=False)
+    yield seen
+
+
+def test_cli_without_a_secret_exits_2(served_by_cli, capsys):
+    assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+    err = capsys.readouterr().err
+    assert "--pd-secret-file" in err and "$LMCACHE_PD_SECRET" in err and len(err.strip().splitlines()) == 1
+    assert served_by_cli == {}
+
+
+def test_cli_secret_file_and_limits(served_by_cli, tmp_path, capsys):
+    secret_file = tmp_path / "pd.secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o644)
+    argv = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1", "--pd-secret-file", str(secret_file)]
+    assert main(argv) == 2  # readable by others
+    assert "chmod 600" in capsys.readouterr().err and served_by_cli == {}
+    secret_file.chmod(0o600)
+    assert main([*argv, "--max-concurrency", "8", "--max-body-bytes", "1000", "--prefill-timeout", "2",
+                 "--pd-sign-ttl", "60"]) == 0
+    limits = served_by_cli["limits"]
+    assert limits.max_body_bytes == 1000 and limits.limit_concurrency > 8
+    assert served_by_cli["error_body"](413, "too big") == {
+        "error": {"message": "too big", "type": "invalid_request_error", "code": 413}}
+    proxy = served_by_cli["error_body"].__self__
+    assert proxy.config.secret == SECRET and SECRET not in repr(proxy.config)
+    assert (proxy.config.max_concurrency, proxy.config.prefill_timeout, proxy.config.sign_ttl) == (8, 2.0, 60.0)
+
+
+def test_cli_defaults(served_by_cli, monkeypatch):
+    monkeypatch.setenv(signing.SECRET_ENV, SECRET)
+    assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 0
+    config = served_by_cli["error_body"].__self__.config
+    assert (config.timeout, config.prefill_timeout, config.max_concurrency, config.max_body_bytes, config.sign_ttl) == (
+        600.0, 30.0, 256, 32 << 20, signing.DEFAULT_TTL_S)
+    monkeypatch.setenv(signing.SECRET_ENV, "short")
+    assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
+
+
+def test_config_checks_its_fields():
+    urls = (("http://p:1",), ("http://d:1",))
+    for field_name, value in [("prefill_timeout", 0), ("max_concurrency", 0), ("max_concurrency", 1.5),
+                              ("max_body_bytes", -1), ("sign_ttl", 7200.0), ("timeout", True)]:
+        with pytest.raises(ValueError, match=f"{field_name}="):
+            ProxyConfig(*urls, secret=SECRET, **{field_name: value})
+    with pytest.raises(ValueError, match="at least 16"):
+        ProxyConfig(*urls, secret="short")
+    with pytest.raises(TypeError, match="secret"):
+        ProxyConfig(*urls, secret=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ProxyConfig(*urls)  # type: ignore[call-arg] # the secret is required
 
 
 # ------------------------------------------------------------------ stripping
@@ -460,6 +459,10 @@ def test_strip_helpers():
         (["--prefill", "http://p:1", "--decode", "http://d:1", "--timeout", "-1"], "--timeout: '-1'"),
         (["--prefill", "http://p:1", "--decode", "http://d:1", "--health-interval", "x"], "--health-interval: 'x'"),
         (["--prefill", "http://p:1", "--decode", "http://d:1", "--port", "70000"], "--port: '70000'"),
+        (["--prefill", "http://p:1", "--decode", "http://d:1", "--prefill-timeout", "0"], "--prefill-timeout: '0'"),
+        (["--prefill", "http://p:1", "--decode", "http://d:1", "--max-concurrency", "0"], "--max-concurrency: '0'"),
+        (["--prefill", "http://p:1", "--decode", "http://d:1", "--max-body-bytes", "1k"], "--max-body-bytes: '1k'"),
+        (["--prefill", "http://p:1", "--decode", "http://d:1", "--pd-sign-ttl", "4000"], "--pd-sign-ttl: '4000'"),
     ],
 )
 def test_bad_flags_exit_2(capsys, argv, message):

@@ -136,7 +136,7 @@ def pd(tiny_llama_dir, tmp_path_factory):
     redis = RedisServer().start()
     try:
         servers = start_pd_servers(tiny_llama_dir, tmp, redis.url, {"prefiller": "kv_producer", "decoder": "kv_consumer"})
-        proxy = Served(Proxy(ProxyConfig((servers[0].url,), (servers[1].url,))).app())
+        proxy = Served(Proxy(ProxyConfig((servers[0].url,), (servers[1].url,), secret=SECRET)).app())
         try:
             yield redis, servers[0], servers[1], proxy
         finally:
