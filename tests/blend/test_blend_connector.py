@@ -106,7 +106,8 @@ class MiniBlendVLLM:
             return r
 
         monkeypatch.setattr(vllm_v1_adapter, "make_runner", runner)
-        monkeypatch.setattr(vllm_v1_adapter, "blend_rules", lambda vc, c: BlendRules(tuple(SEP), c.blend_min_tokens))
+        monkeypatch.setattr(vllm_v1_adapter, "blend_rules", lambda vc, c: BlendRules(
+            tuple(SEP), c.blend_min_tokens, c.blend_min_segment_tokens, c.blend_max_segments))
         config = fake_vllm_config(tmp, **kw)
         self.worker = vllm_v1_adapter.LMCacheConnectorV1Impl(config, SimpleNamespace(name="WORKER"))
         self.scheduler = vllm_v1_adapter.LMCacheConnectorV1Impl(config, SimpleNamespace(name="SCHEDULER"))
@@ -399,7 +400,7 @@ def test_a_blended_prompt_never_stores_prefix_entries_past_its_first_reused_toke
     n = len(prompt)
     req = FakeRequest("r", prompt)
     tracker = planner.track(req)
-    tracker.segments = BlendPlanner(BlendRules(tuple(SEP))).segments(prompt)
+    tracker.segments = BlendPlanner(BlendRules(tuple(SEP), min_segment_tokens=1)).segments(prompt)
     spec = BlendPlanner.plan(n, tracker.segments, [0, 50, 35, 40, 0], 0)
     assert planner.offer(req, 0, 0, spec) == n - 1
     planner.on_alloc(req, n - 1)
@@ -445,7 +446,7 @@ def test_segment_lookups_over_the_worker_socket(mini):
 
     precache(mini)
     prompt, starts = rag([2, 0, 1])
-    bounds = BlendPlanner(BlendRules(tuple(SEP))).segments(prompt)
+    bounds = BlendPlanner(BlendRules(tuple(SEP), min_segment_tokens=1)).segments(prompt)
     settings = mini.worker.settings
     client = LookupClient([socket_path(settings.socket_dir, settings.engine_id, 0)], timeout=5.0)
     try:

@@ -14,15 +14,24 @@ the chunks before that token are stored under prefix keys (exact); its segments 
 not reused are stored under segment keys, which only a blend reads. Every prompt stores its
 segments once it is complete (a prompt without a separator is one segment: sending a
 document alone caches it for later blends).
+
+Bounds (a prompt is hostile input): segments shorter than ``blend_min_segment_tokens`` are
+neither looked up nor stored (their tokens are recomputed with the prompt's new text), and a
+prompt with more than ``blend_max_segments`` segments is neither blended nor split for
+storage, so no prompt can make the worker store thousands of tiny entries.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from lmcache.integration.vllm.connector_metadata import BlendSpec, SegmentRef
-from lmcache.v1.blend.segments import split_segments
+from lmcache.log_once import LogOnce
+from lmcache.v1.blend.segments import find_separators
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BlendPlanner", "BlendRules"]
 
@@ -34,19 +43,38 @@ class BlendRules:
     separator: tuple[int, ...]
     """The separator's token ids (tokenized without special tokens)."""
     min_tokens: int = 256
+    min_segment_tokens: int = 16
+    """Shorter segments are not cached as segments (``blend_min_segment_tokens``)."""
+    max_segments: int = 64
+    """Prompts with more segments are not blended (``blend_max_segments``)."""
 
 
 class BlendPlanner:
-    """Splits prompts and decides blends (scheduler thread; stateless)."""
+    """Splits prompts and decides blends (scheduler thread; no state but a counter)."""
 
     def __init__(self, rules: BlendRules) -> None:
         if not rules.separator:
             raise ValueError("blend separator: expected at least one token id")
         self.rules = rules
+        self.refused_prompts = 0
+        """Prompts with more than ``max_segments`` segments (not blended, no segments stored)."""
+        self._log_once = LogOnce(logger)
 
     def segments(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
-        """``(start, end)`` of each segment of ``prompt`` (separators excluded)."""
-        return [(s.start, s.end) for s in split_segments(list(prompt), list(self.rules.separator))]
+        """``(start, end)`` of each segment of ``prompt`` worth caching (separators and
+        segments under ``min_segment_tokens`` excluded); ``[]`` for a prompt of more than
+        ``max_segments`` segments."""
+        m, n = len(self.rules.separator), len(prompt)
+        cuts = find_separators(list(prompt), list(self.rules.separator))
+        edges = [0] + [c + m for c in cuts]
+        bounds = [(a, b) for a, b in zip(edges, cuts + [n]) if b > a]
+        if len(bounds) > self.rules.max_segments:
+            self.refused_prompts += 1
+            self._log_once(logging.WARNING, "too-many", "lmcache: a prompt of %d tokens has %d segments, more than "
+                           "blend_max_segments=%d: not blended, no segments stored (logged once)",
+                           n, len(bounds), self.rules.max_segments)  # fmt: skip
+            return []
+        return [(a, b) for a, b in bounds if b - a >= self.rules.min_segment_tokens]
 
     def eligible(self, num_tokens: int, num_computed: int) -> bool:
         """Whether a prompt of ``num_tokens`` may be blended (nothing computed by vLLM yet)."""

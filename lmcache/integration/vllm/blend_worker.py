@@ -121,10 +121,10 @@ class BlendRunner:
     # ------------------------------------------------------------------ stores
     def store_segments(self, req: ReqMeta, refs: Sequence[SegmentRef], kvcaches: Sequence[torch.Tensor]) -> int:
         """Store each segment of ``refs`` from the paged cache under its segment keys (keys
-        moved to positions ``0 ..``). Returns the tokens newly stored."""
+        moved to positions ``0 ..``, in one gather and one re-rotation per layer for all the
+        segments not cached yet). Returns the tokens newly stored."""
         extras = KeyExtras.from_kwargs(dict(req.key_extras))
-        views = [component_tensors(layer) for layer in kvcaches]
-        stored = 0
+        todo: list[tuple[Segment, torch.Tensor]] = []
         for ref in refs:
             if ref.end > req.token_ids.shape[0] or ref.end > req.slot_mapping.shape[0]:
                 continue
@@ -132,17 +132,28 @@ class BlendRunner:
             if bool((slots < 0).any()):
                 continue
             seg = Segment(ref.start, ref.end, tuple(int(t) for t in req.token_ids[ref.start : ref.end]))
-            if self.store.lookup(seg, extras) >= len(seg):
-                continue
-            old = torch.arange(ref.start, ref.end)
-            new = torch.arange(0, ref.end - ref.start)
-            keys, values = [], []
-            for k_view, v_view in views:
-                bs = k_view.shape[1]
-                b, o = slots // bs, slots % bs
-                keys.append(self.model.rerotate(k_view[b, o], old, new) if ref.start else k_view[b, o].clone())
-                values.append(v_view[b, o].clone())
-            stored += self.store.put(seg, keys, values, extras)
+            if self.store.lookup(seg, extras) < len(seg):
+                todo.append((seg, slots))
+        if not todo:
+            return 0
+        slots = torch.cat([s for _, s in todo])
+        old = torch.cat([torch.arange(seg.start, seg.end) for seg, _ in todo])
+        new = torch.cat([torch.arange(0, len(seg)) for seg, _ in todo])
+        moved = bool((old != new).any())
+        keys, values = [], []
+        for layer in kvcaches:
+            k_view, v_view = component_tensors(layer)
+            bs = k_view.shape[1]
+            b, o = slots // bs, slots % bs
+            k = k_view[b, o]
+            keys.append(self.model.rerotate(k, old, new) if moved else k)
+            values.append(v_view[b, o])
+        sizes = [len(seg) for seg, _ in todo]
+        per_layer_k = [k.split(sizes) for k in keys]
+        per_layer_v = [v.split(sizes) for v in values]
+        stored = 0
+        for i, (seg, _) in enumerate(todo):
+            stored += self.store.put(seg, [k[i] for k in per_layer_k], [v[i] for v in per_layer_v], extras)
         return stored
 
 

@@ -291,7 +291,7 @@ def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | N
         "lmcache: blending on: separator %r = token ids %s, recompute ratios %s at layers %s, prompts >= %d tokens",
         config.blend_special_str, list(ids), list(config.blend_ratios), list(config.blend_layers), config.blend_min_tokens,
     )  # fmt: skip
-    return BlendRules(ids, config.blend_min_tokens)
+    return BlendRules(ids, config.blend_min_tokens, config.blend_min_segment_tokens, config.blend_max_segments)
 
 
 def pd_policy(config: LMCacheEngineConfig, kv_role: str) -> PDPolicy:

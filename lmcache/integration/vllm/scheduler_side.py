@@ -211,6 +211,8 @@ class SchedulerConnector:
     def snapshot(self) -> dict[str, int]:
         """Counters of this scheduler side and its planner, ``scheduler_``-prefixed."""
         merged = {**self.counters, **self.planner.counters}
+        if self.blender is not None:
+            merged["blend_refused_prompts"] = self.blender.refused_prompts
         return {f"scheduler_{k}": int(v) for k, v in merged.items()}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:

@@ -62,14 +62,17 @@ class CachedSegmentKV:
 
 def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotator) -> ReusedKV:
     """The :class:`ReusedKV` of a ``num_tokens`` prompt holding ``segments`` (new tensors;
-    the segments' tensors are only read). Raises ValueError for overlapping segments, one
-    past the prompt's end, or layer counts/shapes that disagree."""
+    the segments' tensors are only read). Keys are re-rotated in one call per layer for all
+    segments together. Raises ValueError for overlapping segments, one past the prompt's end,
+    or layer counts/shapes that disagree."""
     if not segments:
         raise ValueError("assemble: no segments")
     num_layers = len(segments[0].keys)
     shape = segments[0].keys[0].shape[1:]
     ref = segments[0].keys[0]
     mask = torch.zeros(num_tokens, dtype=torch.bool)
+    old_pos = torch.arange(num_tokens)
+    """Position each token's cached key was rotated for (its own position where none moves)."""
     keys = [torch.zeros((num_tokens, *shape), dtype=ref.dtype, device=ref.device) for _ in range(num_layers)]
     values = [torch.zeros_like(k) for k in keys]
     for seg in segments:
@@ -81,12 +84,17 @@ def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotat
         if mask[seg.start : seg.start + n].any():
             raise ValueError(f"segment [{seg.start}, {seg.start + n}) overlaps another")
         mask[seg.start : seg.start + n] = True
-        old = torch.arange(seg.old_start, seg.old_start + n)
-        new = torch.arange(seg.start, seg.start + n)
+        old_pos[seg.start : seg.start + n] = torch.arange(seg.old_start, seg.old_start + n)
         for li in range(num_layers):
             k, v = seg.keys[li], seg.values[li]
             if k.shape != (n, *shape) or v.shape != k.shape:
                 raise ValueError(f"segment KV of shape {tuple(k.shape)}/{tuple(v.shape)}; expected {(n, *shape)}")
-            keys[li][seg.start : seg.start + n] = rope.rerotate(k, old, new) if seg.start != seg.old_start else k
+            keys[li][seg.start : seg.start + n] = k
             values[li][seg.start : seg.start + n] = v
+    moved = torch.nonzero(mask & (old_pos != torch.arange(num_tokens))).flatten()
+    if moved.numel():
+        new_pos, from_pos = moved, old_pos[moved]
+        rows = moved.to(ref.device)
+        for li in range(num_layers):
+            keys[li][rows] = rope.rerotate(keys[li][rows], from_pos, new_pos)
     return ReusedKV(mask, keys, values)
