@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -42,9 +44,12 @@ sys.path.insert(0, str(REPO))
 
 from harness.openai_server import DYNAMIC, OpenAIServer, free_port  # noqa: E402
 from harness.real_model import APACHE_TEXT, RealModelUnavailable, real_model_dir  # noqa: E402
+from lmcache.pd import signing  # noqa: E402
 from lmcache.v1.testing_redis import RedisServer, RedisUnavailable  # noqa: E402
 
 SEND = {"do_remote_decode": True, "do_remote_prefill": False}
+SECRET = secrets.token_urlsafe(32)
+"""The run's pd_secret: the servers and the proxy get it through LMCACHE_PD_SECRET."""
 
 
 def corpus() -> str:
@@ -89,7 +94,7 @@ def first_token_seconds(url: str, body: dict[str, Any]) -> float:
 def start_servers(model_dir: Path, redis_url: str, workdir: Path, args: argparse.Namespace) -> dict[str, OpenAIServer]:
     extra = ["--max-model-len", str(max(args.prompt_tokens) + 256), "--served-model-name", "m",
              "--max-num-batched-tokens", "512"]  # fmt: skip
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", signing.SECRET_ENV: SECRET}
     servers = {"single": OpenAIServer(str(model_dir), None, workdir / "single.log", env=env, extra_args=extra)}
     for name, role in (("prefiller", "kv_producer"), ("decoder", "kv_consumer")):
         cfg = workdir / f"{name}.yaml"
@@ -107,7 +112,8 @@ def start_proxy(servers: dict[str, OpenAIServer], workdir: Path) -> tuple[subpro
     log = open(workdir / "proxy.log", "w")  # noqa: SIM115 - the process keeps it
     proc = subprocess.Popen([sys.executable, "-m", "lmcache", "proxy", "--prefill", servers["prefiller"].url,
                              "--decode", servers["decoder"].url, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))  # fmt: skip
+                            stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO),
+                            env=dict(os.environ, **{signing.SECRET_ENV: SECRET}))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -137,6 +143,7 @@ def measure(servers: dict[str, OpenAIServer], proxy_url: str | None, prompts: li
         params = post(servers["prefiller"].url + path,
                       dict(body, prompt=pd, max_tokens=1, kv_transfer_params=SEND))["kv_transfer_params"]  # fmt: skip
         leg = time.perf_counter() - t0
+        params = signing.sign(params, SECRET, now=time.time())  # as the proxy does
         ttft = first_token_seconds(servers["decoder"].url + path, dict(body, prompt=pd, kv_transfer_params=params))
         res["prefill leg"].append(leg)
         res["decoder TTFT"].append(ttft)
