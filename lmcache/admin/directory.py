@@ -70,6 +70,8 @@ def record_problem(record: InstanceRecord, *, key_prefix: str, socket_dir: str |
         value = getattr(record, name)
         if not isinstance(value, str) or not value or len(value) > 4096:
             return f"{name} is not a non-empty string"
+    if not isinstance(record.tiers, list) or not all(isinstance(t, str) for t in record.tiers):
+        return "tiers is not a list of tier names"
     expected = entry_key_prefix(key_prefix, "kv")
     if record.remote_entry_prefix != expected:
         return (f"its remote entries are under {str(record.remote_entry_prefix)[:120]!r}, not this service's "
@@ -81,7 +83,7 @@ def record_problem(record: InstanceRecord, *, key_prefix: str, socket_dir: str |
                     "(start it with the instances' --socket-dir)")
     try:
         ks = record.key_space
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, OverflowError) as exc:
         return f"its key space is malformed ({type(exc).__name__}: {exc})"
     if not 1 <= ks.world_size <= MAX_WORLD_SIZE or not 1 <= ks.chunk_size <= 1 << 20:
         return f"world_size {ks.world_size} / chunk_size {ks.chunk_size} out of bounds"

@@ -22,6 +22,8 @@ from lmcache.v1.storage_backend.remote_backend import entry_key, entry_key_prefi
 logger = logging.getLogger(__name__)
 
 DELETE_BATCH = 500
+MAX_RECORDS = 1024
+"""Registrations read per listing (the oldest first): a flooded index cannot make every request slow."""
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
@@ -46,10 +48,10 @@ class RemoteStore:
     def records(self) -> list[InstanceRecord]:
         """Every live instance record, from the registration index (no keyspace SCAN).
         Index entries whose record expired are dropped; malformed records are skipped
-        (logged once)."""
+        (logged once); at most :data:`MAX_RECORDS` are read."""
         out = []
         index = index_key(self.key_prefix)
-        for member in self.conn.command(index, "ZRANGE", index, 0, -1):
+        for member in self.conn.command(index, "ZRANGE", index, 0, MAX_RECORDS - 1):
             engine_id = member.decode() if isinstance(member, bytes) else str(member)
             raw = self.conn.get(instances_prefix(self.key_prefix) + engine_id)
             if raw is None:  # the instance died without closing: its record expired

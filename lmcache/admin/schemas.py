@@ -58,7 +58,7 @@ def _token_ids(value: Any) -> list[int]:
 
 TokenIds = Annotated[list[int], PlainValidator(_token_ids)]
 Name = Annotated[StrictStr, Field(min_length=1, max_length=512)]
-PinId = Annotated[StrictStr, Field(pattern=PIN_ID_RE.pattern, max_length=64)]
+PinId = Annotated[StrictStr, Field(pattern=f"^{PIN_ID_RE.pattern}$", max_length=64)]
 
 
 class _Body(BaseModel):

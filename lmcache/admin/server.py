@@ -37,7 +37,13 @@ from lmcache.admin.guard import AccessGuard
 from lmcache.admin.schemas import ClearBody, InvalidBody, LookupBody, PinBody, UnpinBody, parse_body
 from lmcache.admin.service import AdminService, BadRequest, LimitReached, NotFound
 from lmcache.http_server import ASGIApp, BodyLimit, ServerLimits, uvicorn_config
-from lmcache.v1.private_files import ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket
+from lmcache.v1.private_files import (
+    check_parent_dir,
+    ensure_private_dir,
+    peer_is_us,
+    peer_uid,
+    remove_stale_socket,
+)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -139,6 +145,7 @@ def bind_unix_socket(path: str) -> socket.socket:
     or verified: :mod:`lmcache.v1.private_files`); a dead socket of ours there is replaced.
     Raises UnsafePathError / OSError naming the path (EADDRINUSE when a server listens)."""
     directory = os.path.dirname(os.path.abspath(path))
+    check_parent_dir(os.path.dirname(directory), what="parent of the admin socket directory")
     ensure_private_dir(directory, what="admin socket directory")
     if not remove_stale_socket(path):
         raise OSError(f"--unix-socket {path}: a live server already listens there")

@@ -362,8 +362,9 @@ def test_unpin_by_id_and_all(world: World) -> None:
     assert res.json()["unpinned"] == second["pin_ids"] and world.admin.active_pins == 0
     assert [cpu.pin_count(k) for k in keys] == [0, 0, 0, 0]
     assert world.unpinned == []  # released early: the expiry thread has nothing left to do for them
-    res = world.client.post("/unpin", json={"instance": ENGINE_ID, "pin_ids": ["admin-pin-xyz"]})
-    assert res.status_code == 422 and "pin_ids.0" in res.json()["error"]
+    for bad in ("admin-pin-xyz", f"x{first['pin_ids'][0]}", f"{first['pin_ids'][0]}\n"):
+        res = world.client.post("/unpin", json={"instance": ENGINE_ID, "pin_ids": [bad]})
+        assert res.status_code == 422 and "pin_ids.0" in res.json()["error"], bad
     res = world.client.post("/unpin", json={"instance": "nope"})
     assert res.status_code == 404 and "instance" in res.json()["error"]
 

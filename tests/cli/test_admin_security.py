@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -26,12 +28,13 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from lmcache.admin import server as server_mod  # noqa: E402
 from lmcache.admin.auth import allowed_hosts, host_name  # noqa: E402
-from lmcache.admin.directory import InstanceDirectory  # noqa: E402
+from lmcache.admin.directory import InstanceDirectory, record_problem  # noqa: E402
 from lmcache.admin.server import MAX_BODY_BYTES, bind_unix_socket, build_server, create_app  # noqa: E402
 from lmcache.admin.service import AdminService  # noqa: E402
 from lmcache.admin.token_file import TOKEN_FILE_NAME, ensure_token, token_path  # noqa: E402
 from lmcache.cli import main  # noqa: E402
 from lmcache.cli.admin_cmd import resolve_token  # noqa: E402
+from lmcache.integration.vllm.registration import InstanceRecord  # noqa: E402
 from lmcache.v1.private_files import UnsafePathError  # noqa: E402
 
 TOKEN = "t0ken-for-the-admin-security-tests"
@@ -130,6 +133,53 @@ def test_host_names() -> None:
     for bad in ("[::1", "[nope]", "a/b", "x:y"):
         with pytest.raises(ValueError):
             host_name(bad)
+
+
+# ----------------------------------------------------------------------------- records
+GOOD_RECORD = {
+    "engine_id": "e1", "host": "this-host", "pid": 1, "model": "/m", "tokenizer": "/m", "namespace": "/m",
+    "world_size": 1, "kv_dtype": "float32", "chunk_size": 16, "socket_dir": "/run/x",
+    "sockets": ["/run/x/lookup-0123456789abcdef-r0.sock"], "tiers": ["cpu", "remote"], "started_at": 1.0,
+    "remote_entry_prefix": "lmcache:v1:kv:",
+    "keys": {"model_name": "/m", "world_size": 1, "fmt": "vllm", "kv_dtype": "float32", "kv_shape": [2, 2, 16, 2, 8],
+             "use_mla": False, "chunk_size": 16, "save_unfull_chunk": True},
+}  # fmt: skip
+
+
+def problem(**changes: Any) -> str | None:
+    record = InstanceRecord.from_json(json.dumps({**GOOD_RECORD, **changes}))
+    return record_problem(record, key_prefix="lmcache", socket_dir="/run/x/", host="this-host")
+
+
+def test_which_records_are_trusted() -> None:
+    assert problem() is None
+    assert problem(host="other-host", sockets=["/anywhere/s.sock"]) is None  # another host: sockets never used
+    assert "remote entries" in problem(remote_entry_prefix="tenant2:v1:kv:")
+    assert "remote entries" in problem(remote_entry_prefix="lmcache:v1:ec:")
+    assert "remote entries" in problem(remote_entry_prefix="lmcache:tenant2:v1:kv:")
+    assert "outside" in problem(sockets=["/tmp/elsewhere/lookup-x-r0.sock"])
+    assert "outside" in problem(sockets=["/run/x/../y/lookup-x-r0.sock"])
+    assert "outside" in problem(sockets="/run/x/lookup-x-r0.sock")
+    assert "engine_id" in problem(engine_id=5)
+    assert "tokenizer" in problem(tokenizer=None)
+    assert "tiers" in problem(tiers="cpu")
+    assert "out of bounds" in problem(keys={**GOOD_RECORD["keys"], "world_size": 10**9})
+    assert "malformed" in problem(keys={**GOOD_RECORD["keys"], "world_size": 1e400})
+    assert "malformed" in problem(keys=[])
+
+
+_ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                     max_size=3), max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from(sorted(GOOD_RECORD)), value=_ANY_JSON,
+       key=st.sampled_from(sorted(GOOD_RECORD["keys"])))  # fmt: skip
+def test_fuzz_records_are_judged_never_raise(field: str, value: Any, key: str) -> None:
+    changes = {"keys": {**GOOD_RECORD["keys"], key: value}} if field == "keys" else {field: value}
+    result = problem(**changes)
+    assert result is None or isinstance(result, str)
 
 
 # ----------------------------------------------------------------------------- a real server
