@@ -129,3 +129,20 @@ def test_segment_store_rotates_once_per_layer(mini, model):
         s = slots[ref.start : ref.end]
         want = model.rerotate(k_view[s // bs, s % bs], torch.arange(ref.start, ref.end), torch.arange(len(seg)))
         torch.testing.assert_close(got.keys[2], want)
+
+
+def test_the_segments_op_refuses_more_segments_than_any_scheduler_asks_for(mini):
+    from lmcache.integration.vllm.lookup_service import LookupClient
+    from lmcache.integration.vllm.naming import socket_path
+    from lmcache.v1.config import MAX_BLEND_SEGMENTS
+
+    settings = mini.worker.settings
+    client = LookupClient([socket_path(settings.socket_dir, settings.engine_id, 0)], timeout=5.0)
+    try:
+        prompt = list(range(10, 10 + 2 * (MAX_BLEND_SEGMENTS + 1)))
+        bounds = [(2 * i, 2 * i + 1) for i in range(MAX_BLEND_SEGMENTS + 1)]
+        assert client.lookup_segments(prompt, bounds) is None  # an error reply: a miss
+        assert f"at most {MAX_BLEND_SEGMENTS}" in (client.last_error or "")
+        assert client.lookup_segments(prompt, bounds[:MAX_BLEND_SEGMENTS]) == [0] * MAX_BLEND_SEGMENTS
+    finally:
+        client.close()

@@ -46,6 +46,7 @@ import numpy as np
 
 from lmcache.errors import LMCacheError
 from lmcache.log_once import LogOnce
+from lmcache.v1.config import MAX_BLEND_SEGMENTS
 from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
 
@@ -95,9 +96,10 @@ SegmentsFn = Callable[[np.ndarray, list[tuple[int, int]], dict[str, Any]], list[
 
 
 def _segment_bounds(value: Any) -> list[tuple[int, int]]:
-    """The ``segments`` field of a request: a list of ``[start, end]`` int pairs."""
-    if not isinstance(value, list) or len(value) > 1 << 16:
-        raise ValueError("segments: expected a list of [start, end] pairs")
+    """The ``segments`` field of a request: a list of at most :data:`MAX_BLEND_SEGMENTS`
+    ``[start, end]`` int pairs (no scheduler asks for more: ``blend_max_segments``)."""
+    if not isinstance(value, list) or len(value) > MAX_BLEND_SEGMENTS:
+        raise ValueError(f"segments: expected a list of at most {MAX_BLEND_SEGMENTS} [start, end] pairs")
     out = []
     for item in value:
         if (
