@@ -1,9 +1,16 @@
 """Blending through vLLM's OpenAI server: answer quality and TTFT on a RAG workload (``bench_blend.py serving``).
 
-Workload (``harness/rag_dataset.py``): fictional documents, each pre-cached alone (or after the
-prompts' opening, ``--precache prefixed``), then questions whose
-prompts hold some documents in an order no earlier prompt used (the answer's document always
-among them), sent as token ids to ``/v1/completions``, greedy, streamed.
+Workload (``harness/rag_dataset.py``): fictional documents, each pre-cached alone, then
+questions whose prompts hold some documents in an order no earlier prompt used (the answer's
+document always among them), greedy, streamed, in one of three forms (``--format``):
+
+* ``ids``: token ids built piece by piece (each document's ids as when alone) to ``/v1/completions``;
+* ``text``: the same prompt as one text string (the chat template's text around it) to
+  ``/v1/completions``: vLLM tokenizes it, the separator's space merging into the next word;
+* ``chat``: ``/v1/chat/completions`` with the prompt as the user message (the server renders
+  the template), as RAG clients send it.
+
+With ``text`` and ``chat`` the documents are pre-cached as text too (``/v1/completions``).
 
 Servers (one fresh server each, the real model, vLLM's prefix caching off in all):
 
@@ -68,6 +75,20 @@ class Prompt:
     docs: tuple[int, ...]
     ids: tuple[int, ...]
     doc_tokens: int  # tokens of the documents in the prompt (what blending could reuse)
+    content: str = ""  # the user message: instruction, documents and question joined by the separator
+
+
+FORMATS = ("ids", "text", "chat")
+
+
+def request(p: Prompt, fmt: str, tokenizer: Any) -> tuple[str, dict[str, Any]]:
+    """The endpoint and body fields that send prompt ``p`` in format ``fmt``."""
+    if fmt == "ids":
+        return "/v1/completions", {"prompt": list(p.ids)}
+    if fmt == "text":
+        before, after = rag.chat_wrapper(tokenizer)
+        return "/v1/completions", {"prompt": before + p.content + after}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": p.content}]}
 
 
 def make_prompts(tokenizer: Any, args: argparse.Namespace) -> list[Prompt]:
@@ -85,7 +106,8 @@ def make_prompts(tokenizer: Any, args: argparse.Namespace) -> list[Prompt]:
         seen.add(order)
         ids = rag.build_prompt(tokenizer, order, rag.QUESTIONS[q])
         doc_tokens = sum(len(rag.doc_ids(tokenizer, d)) for d in order)
-        out.append(Prompt(kind, q, order, tuple(ids), doc_tokens))
+        parts = [rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {rag.QUESTIONS[q].text}"]
+        out.append(Prompt(kind, q, order, tuple(ids), doc_tokens, rag.SEP_TEXT.join(parts)))
 
     for q in range(min(args.questions, len(rag.QUESTIONS))):
         add("quality", q, args.quality_docs)
@@ -108,14 +130,20 @@ class Answer:
 
 
 def complete(url: str, ids: list[int] | tuple[int, ...], max_tokens: int) -> Answer:
-    """A streamed greedy completion of token ids: TTFT (first chunk carrying a generated token), text, usage."""
+    """A streamed greedy completion of token ids (see :func:`send`)."""
+    return send(url, "/v1/completions", {"prompt": list(ids)}, max_tokens)
+
+
+def send(url: str, path: str, fields: dict[str, Any], max_tokens: int) -> Answer:
+    """A streamed greedy completion (``fields``: the prompt or messages): TTFT (first chunk
+    carrying a generated token or text), text, usage."""
     body = {
-        "model": SERVED_NAME, "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-        "return_token_ids": True, "stream_options": {"include_usage": True},
+        "model": SERVED_NAME, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, **fields,
     }  # fmt: skip
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    if path == "/v1/completions":
+        body["return_token_ids"] = True
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft: float | None = None
     text: list[str] = []
@@ -131,13 +159,14 @@ def complete(url: str, ids: list[int] | tuple[int, ...], max_tokens: int) -> Ans
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or ():
                 new = choice.get("token_ids") or []
-                if new and ttft is None:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if (new or piece) and ttft is None:
                     ttft = time.perf_counter() - t0
                 tokens += new
-                text.append(choice.get("text") or "")
+                text.append(piece)
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
-    return Answer("", -1, [], int(usage.get("prompt_tokens", len(ids))),
+    return Answer("", -1, [], int(usage.get("prompt_tokens", 0)),
                   ttft if ttft is not None else time.perf_counter() - t0, "".join(text), tokens,
                   None if cached is None else int(cached))  # fmt: skip
 
@@ -230,13 +259,17 @@ def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tok
         if config.lmcache:
             t1 = time.perf_counter()
             for d in range(len(rag.DOCS)):
-                complete(server.url, rag.precache_ids(tokenizer, d, prefixed=args.precache == "prefixed"), 1)
+                if args.format == "ids":
+                    complete(server.url, rag.doc_ids(tokenizer, d), 1)
+                else:  # as a user caches a document: its text, alone
+                    send(server.url, "/v1/completions", {"prompt": rag.DOCS[d]}, 1)
             run.precache_s = time.perf_counter() - t1
             print(f"  [{run.name}] {len(rag.DOCS)} documents pre-cached in {run.precache_s:.1f} s", flush=True)
         before = blend_counters(server) if config.lmcache else {}
         for kind in ("quality", "speed"):
             for p in (p for p in prompts if p.kind == kind):
-                ans = complete(server.url, p.ids, args.max_tokens)
+                path, fields = request(p, args.format, tokenizer)
+                ans = send(server.url, path, fields, args.max_tokens)
                 ans.kind, ans.question, ans.docs = p.kind, p.question, list(p.docs)
                 run.answers.append(ans)
                 ok = rag.judge(ans.text, rag.QUESTIONS[p.question])
@@ -341,10 +374,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speed-prompts", type=int, default=3, help="speed prompts (0: none)")
     ap.add_argument("--speed-docs", type=int, default=8, help="documents per speed prompt (~3k tokens)")
     ap.add_argument("--max-tokens", type=int, default=24)
-    ap.add_argument(
-        "--precache", choices=("alone", "prefixed"), default="alone",
-        help="cache each document alone, or after the prompts' opening (template + instruction) and separator",
-    )  # fmt: skip
+    ap.add_argument("--format", choices=FORMATS, default="ids",
+                    help="how prompts are sent: token ids, one text string, or the chat API (see above)")
     ap.add_argument("--seed", type=int, default=0, help="document orders")
     ap.add_argument("--no-baseline", action="store_true", help="no full-prefill server (no comparison columns)")
     ap.add_argument("--with-prefix", action="store_true", help="also lmcache without blending (prefix reuse only)")

@@ -270,17 +270,6 @@ def build_prompt(tokenizer: Any, docs_order: Sequence[int], question: Question |
     return ids + sep + _ids(tokenizer, f"Question: {text}{after}")
 
 
-def precache_ids(tokenizer: Any, doc: int, *, prefixed: bool) -> list[int]:
-    """The prompt that caches document ``doc``: its ids alone, or (``prefixed``) after the
-    prompts' opening (chat template + instruction) and the separator, so that its KV is
-    computed after the same start as in the prompts (its first token is then not the
-    sequence's first token, which a model treats as an attention sink)."""
-    if not prefixed:
-        return doc_ids(tokenizer, doc)
-    before, _ = chat_wrapper(tokenizer)
-    return _ids(tokenizer, before + INSTRUCTION) + sep_ids(tokenizer) + doc_ids(tokenizer, doc)
-
-
 def docs_for(question_index: int, num_docs: int, seed: int = 0) -> list[int]:
     """A document order for question ``question_index``: ``num_docs`` documents including the answer's,
     drawn and shuffled with a seed of their own, so consecutive prompts order documents differently."""

@@ -179,9 +179,10 @@ class LMCacheEngine:
 
         return SegmentStore(self.metadata, self.token_database, self.storage_manager)
 
-    def lookup_segments(self, tokens: TokenInput, bounds: Sequence[tuple[int, int]], **kwargs: Any) -> list[int]:
-        """For each ``(start, end)`` segment of ``tokens``, the leading tokens whose segment
-        entries are cached (0 for all without blending). Key extras as in :meth:`lookup`."""
+    def lookup_segments(self, tokens: TokenInput, bounds: Sequence[tuple[Any, ...]], **kwargs: Any) -> list[int]:
+        """For each ``(start, end)`` or ``(start, end, lead)`` segment of ``tokens`` (``lead``:
+        bytes of its key, :class:`~lmcache.v1.blend.segments.Segment`), the leading tokens whose
+        segment entries are cached (0 for all without blending). Key extras as in :meth:`lookup`."""
         from lmcache.v1.blend.segments import Segment
 
         req = self._key_request("lookup_segments", tokens, kwargs)
@@ -189,10 +190,14 @@ class LMCacheEngine:
             return [0] * len(bounds)
         arr = req.tokens
         out = []
-        for start, end in bounds:
+        for bound in bounds:
+            start, end = bound[0], bound[1]
+            lead = bound[2] if len(bound) > 2 else b""
             if not 0 <= start < end <= arr.shape[0]:
                 raise ValueError(f"segment ({start}, {end}): expected 0 <= start < end <= {arr.shape[0]}")
-            out.append(self.segments.lookup(Segment(start, end, tuple(arr[start:end].tolist())), req.extras))
+            if not isinstance(lead, bytes):
+                raise TypeError(f"segment ({start}, {end}) lead: expected bytes, got {type(lead).__name__}")
+            out.append(self.segments.lookup(Segment(start, end, tuple(arr[start:end].tolist()), lead), req.extras))
         return out
 
     # ------------------------------------------------------------------ requests

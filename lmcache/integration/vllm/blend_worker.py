@@ -98,7 +98,7 @@ class BlendRunner:
     ) -> CachedSegmentKV | None:
         """The cached part of one segment, keys still at positions ``0 ..`` (assemble moves them)."""
         end = min(ref.end, limit)  # the prompt's last token is vLLM's: a segment holding it is cut
-        seg = Segment(ref.start, end, tuple(int(t) for t in tokens[ref.start : end]))
+        seg = Segment(ref.start, end, tuple(int(t) for t in tokens[ref.start : end]), ref.lead)
         kv = self.store.get(seg, min(ref.cached, end - ref.start), extras)
         if kv.num_tokens == 0:
             return None
@@ -131,7 +131,7 @@ class BlendRunner:
             slots = torch.as_tensor(req.slot_mapping[ref.start : ref.end], dtype=torch.long)
             if bool((slots < 0).any()):
                 continue
-            seg = Segment(ref.start, ref.end, tuple(int(t) for t in req.token_ids[ref.start : ref.end]))
+            seg = Segment(ref.start, ref.end, tuple(int(t) for t in req.token_ids[ref.start : ref.end]), ref.lead)
             if self.store.lookup(seg, extras) < len(seg):
                 todo.append((seg, slots))
         if not todo:

@@ -52,11 +52,21 @@ class SaveSpec:
 @dataclass(frozen=True, slots=True)
 class SegmentRef:
     """A segment (document) of a prompt: tokens ``[start, end)``; ``cached`` leading tokens
-    of it have segment entries (blending, :mod:`lmcache.v1.blend`)."""
+    of it have segment entries (blending, :mod:`lmcache.v1.blend`). ``lead``: the text
+    folded into its key before ``start`` (its first word; :class:`~lmcache.v1.blend.segments.Segment`).
+    ``isolated``: no separator precedes it in the prompt, so its KV was computed from the
+    prompt's start, as if sent alone (only such segments are stored)."""
 
     start: int
     end: int
     cached: int = 0
+    lead: bytes = b""
+    isolated: bool = False
+
+    @property
+    def bound(self) -> tuple[int, int, bytes]:
+        """``(start, end, lead)`` as segment lookups take it."""
+        return (self.start, self.end, self.lead)
 
 
 @dataclass(frozen=True, slots=True)

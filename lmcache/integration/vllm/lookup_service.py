@@ -46,6 +46,7 @@ import numpy as np
 
 from lmcache.errors import LMCacheError
 from lmcache.log_once import LogOnce
+from lmcache.v1.blend.segments import MAX_LEAD_BYTES
 from lmcache.v1.config import MAX_BLEND_SEGMENTS
 from lmcache.v1.private_files import check_parent_dir, ensure_private_dir, peer_is_us, peer_uid, remove_stale_socket, sweep_stale_sockets
 from lmcache.v1.token_database import tokens_to_array
@@ -92,23 +93,34 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 # ------------------------------------------------------------------------ server
 LookupFn = Callable[[np.ndarray, dict[str, Any]], int]
 StatsFn = Callable[[], dict[str, int]]
-SegmentsFn = Callable[[np.ndarray, list[tuple[int, int]], dict[str, Any]], list[int]]
+SegmentsFn = Callable[[np.ndarray, list[tuple[int, int, bytes]], dict[str, Any]], list[int]]
 
 
-def _segment_bounds(value: Any) -> list[tuple[int, int]]:
+def _segment_bounds(value: Any) -> list[tuple[int, int, bytes]]:
     """The ``segments`` field of a request: a list of at most :data:`MAX_BLEND_SEGMENTS`
-    ``[start, end]`` int pairs (no scheduler asks for more: ``blend_max_segments``)."""
+    ``[start, end]`` int pairs, or ``[start, end, lead]`` with the segment's key lead as a
+    hex string of at most :data:`MAX_LEAD_BYTES` bytes (no scheduler asks for more:
+    ``blend_max_segments``)."""
     if not isinstance(value, list) or len(value) > MAX_BLEND_SEGMENTS:
         raise ValueError(f"segments: expected a list of at most {MAX_BLEND_SEGMENTS} [start, end] pairs")
     out = []
     for item in value:
         if (
             not isinstance(item, list)
-            or len(item) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in item)
+            or len(item) not in (2, 3)
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in item[:2])
         ):
             raise ValueError(f"segments: expected [start, end] int pairs, got {item!r}")
-        out.append((item[0], item[1]))
+        lead = b""
+        if len(item) == 3:
+            text = item[2]
+            if not isinstance(text, str) or len(text) > 2 * MAX_LEAD_BYTES:
+                raise ValueError(f"segments: expected a lead of at most {MAX_LEAD_BYTES} bytes as hex")
+            try:
+                lead = bytes.fromhex(text)
+            except ValueError:
+                raise ValueError("segments: a lead is not a hex string") from None
+        out.append((item[0], item[1], lead))
     return out
 
 
@@ -361,11 +373,13 @@ class LookupClient:
         return min(hits)
 
     def lookup_segments(
-        self, tokens: Any, bounds: Sequence[tuple[int, int]], extras: dict[str, Any] | None = None
+        self, tokens: Any, bounds: Sequence[tuple[Any, ...]], extras: dict[str, Any] | None = None
     ) -> list[int] | None:
-        """Cached leading tokens of each segment, minimum over ranks; None when any rank cannot answer."""
+        """Cached leading tokens of each ``(start, end)`` or ``(start, end, lead)`` segment,
+        minimum over ranks; None when any rank cannot answer."""
         payload = tokens_to_array(tokens).tobytes()
-        header = {"op": "segments", "segments": [[int(a), int(b)] for a, b in bounds], "extras": extras or {}}
+        wire = [[int(b[0]), int(b[1])] + ([bytes(b[2]).hex()] if len(b) > 2 and b[2] else []) for b in bounds]
+        header = {"op": "segments", "segments": wire, "extras": extras or {}}
         with self._lock:
             per_rank = []
             for rank in range(len(self.paths)):

@@ -103,8 +103,8 @@ class RequestTracker:
     """Decoder: monotonic time until which the scheduler side waits for the announced KV."""
     pd_next_poll: float = 0.0
     """Decoder: monotonic time before which a waiting request is not looked up again."""
-    segments: list[tuple[int, int]] | None = None
-    """Blending: the prompt's segments ``(start, end)`` (split once, on first lookup)."""
+    segments: list[SegmentRef] | None = None
+    """Blending: the prompt's segments (split once, on first lookup)."""
     blend: BlendSpec | None = None
     """Blending: the blend the last lookup offered (loaded in the step after allocation)."""
     blended: BlendSpec | None = None

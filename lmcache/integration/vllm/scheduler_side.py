@@ -113,9 +113,10 @@ class LookupDispatcher:
         self.used_socket = True
         return self._client.lookup(tokens, extras), None
 
-    def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int]], extras: dict[str, Any]) -> list[int] | None:
-        """Cached leading tokens of each segment's own entries (minimum over ranks); None
-        when no answer can be had."""
+    def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int, bytes]],
+                        extras: dict[str, Any]) -> list[int] | None:  # fmt: skip
+        """Cached leading tokens of each ``(start, end, lead)`` segment's own entries (minimum
+        over ranks); None when no answer can be had."""
         engines = self._engines()
         if engines is not None:
             per = [e.lookup_segments(tokens, bounds, **extras) for e in engines]
@@ -269,11 +270,11 @@ class SchedulerConnector:
             return None
         extras = {k: v for k, v in tracker.key_extras.items() if k in KEY_EXTRA_NAMES}
         self.counters["blend_lookups"] += 1
-        cached = self.lookups.lookup_segments(prompt, tracker.segments, extras)
+        cached = self.lookups.lookup_segments(prompt, [seg.bound for seg in tracker.segments], extras)
         if cached is None:
             self.warn("blend-lookup", "lmcache: segment lookup unavailable (%s); not blending", self.lookups.last_error)
             return None
-        spec = blender.plan(n, tracker.segments, cached, hit)
+        spec = blender.plan(n, tracker.segments, cached, hit, blender.rules.cost)
         if spec is not None:
             self.counters["blend_offers"] += 1
             self.counters["blend_offered_reused_tokens"] += spec.reused_tokens

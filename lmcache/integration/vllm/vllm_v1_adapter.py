@@ -221,7 +221,7 @@ class LMCacheConnectorV1Impl:
             allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
             return engine.lookup(tokens, **allowed)
 
-        def segments(tokens: Any, bounds: list[tuple[int, int]], extras: dict[str, Any]) -> list[int]:
+        def segments(tokens: Any, bounds: list[tuple[int, int, bytes]], extras: dict[str, Any]) -> list[int]:
             if not worker.enabled:
                 return [0] * len(bounds)
             allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}

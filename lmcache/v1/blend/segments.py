@@ -46,13 +46,27 @@ DEFAULT_SEPARATOR = " # # "
 _SEGMENT_PERSON = b"lmcache-segment"
 
 
+MAX_LEAD_BYTES = 256
+"""Longest segment lead (see :class:`Segment`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """``prompt[start:end]``, a run of tokens between separators (never empty)."""
+    """``prompt[start:end]``, a run of tokens between separators (never empty).
+
+    ``lead``: text that came right before ``start`` and belongs to the segment's key but not
+    to its cached tokens (the integration keys a document from its second word on, with the
+    first word's text as the lead: the first word's tokens depend on what precedes it in a
+    BPE tokenizer, the rest do not). Empty: the key covers ``tokens`` alone."""
 
     start: int
     end: int
     tokens: tuple[int, ...]
+    lead: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.lead) > MAX_LEAD_BYTES:
+            raise ValueError(f"segment lead of {len(self.lead)} bytes; expected at most {MAX_LEAD_BYTES}")
 
     def __len__(self) -> int:
         return self.end - self.start
@@ -113,9 +127,12 @@ class SegmentKeys:
     def chunk_size(self) -> int:
         return self._db.chunk_size
 
-    def seed(self, extras: KeyExtras = NO_EXTRAS) -> bytes:
-        """The 16-byte digest every segment's first chunk chains on."""
+    def seed(self, extras: KeyExtras = NO_EXTRAS, lead: bytes = b"") -> bytes:
+        """The 16-byte digest every segment's first chunk chains on (``lead`` folded in,
+        length-prefixed, when not empty)."""
         prompt_seed = self._db.chain_digest(np.zeros(0, dtype=np.int32), 0, extras)
+        if lead:
+            prompt_seed += b"lead" + len(lead).to_bytes(4, "little") + lead
         return hashlib.blake2b(prompt_seed, digest_size=16, person=_SEGMENT_PERSON).digest()
 
     def spans(self, segment: Segment, extras: KeyExtras = NO_EXTRAS) -> list[ChunkSpan]:
@@ -123,7 +140,7 @@ class SegmentKeys:
         positions (``segment.start`` + offset) and keys that do not depend on them."""
         arr = tokens_to_array(list(segment.tokens))
         c = self._db.chunk_size
-        prev = self.seed(extras)
+        prev = self.seed(extras, segment.lead)
         model, world, worker, dtype = self._fields
         configs = extras.config_strings
         spans = []
