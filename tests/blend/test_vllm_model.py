@@ -4,7 +4,9 @@ and the plugin that records it (``blend_plugin``).
 Fast tests use a stand-in with vLLM's module layout built from a tiny transformers Llama's
 weights (fused ``qkv_proj`` returning ``(out, bias)``, a neox RoPE over a float32
 ``cos_sin_cache``): the adapter must reproduce the transformers model, re-rotate keys
-exactly, and refuse every layout it cannot reproduce.
+exactly, accept a model by its structure (not its class name) and refuse, with the reason,
+every layout it cannot reproduce. Other model families (Llama-3.x RoPE, Qwen3's q/k norms,
+vLLM's own rotary classes) are in ``test_vllm_model_families.py``.
 
 The vLLM test (marked ``vllm`` and ``slow``) starts real vLLM once, in a child process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model lives in that process), with the plugin
@@ -230,7 +232,23 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class Llama3RotaryEmbedding(RotaryEmbedding):
-    pass
+    """Another table, the standard forward: accepted (the test below)."""
+
+
+class OwnForwardRotaryEmbedding(RotaryEmbedding):
+    """A subclass that replaces the rotation (as mrope and dual-chunk RoPE do)."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().forward(positions, q, k)
+
+
+class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
+    """Not a RotaryEmbedding at all (vLLM's longrope class is a plain Module)."""
+
+
+class FusedMoE(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 class PPMissingLayer(nn.Module):
@@ -241,18 +259,66 @@ def _attn(m: nn.Module, i: int = 0) -> Any:
     return m.model.layers[i].self_attn
 
 
-def _scaled_rope(m: nn.Module) -> None:
+def _retype_rope(cls: type) -> Any:
+    def mutate(m: nn.Module) -> None:
+        for layer in m.model.layers:
+            layer.self_attn.rotary_emb.__class__ = cls
+
+    return mutate
+
+
+def _scale_table(m: nn.Module) -> None:
+    """YaRN's table: cos and sin multiplied by an mscale (one module shared by the layers)."""
+    rope = _attn(m).rotary_emb
+    rope.cos_sin_cache.mul_(1.1)
     for layer in m.model.layers:
-        layer.self_attn.rotary_emb.__class__ = Llama3RotaryEmbedding
+        layer.self_attn.rotary_emb = rope
+
+
+def _set(path: str, name: str, value: Any) -> Any:
+    """A mutation that sets ``name`` on the object at dotted ``path`` under the model."""
+
+    def mutate(m: nn.Module) -> None:
+        target: Any = m
+        for part in filter(None, path.split(".")):
+            target = target[int(part)] if part.isdigit() else getattr(target, part)
+        setattr(target, name, value() if callable(value) else value)
+
+    return mutate
+
+
+def _norms(width: int, only_k: bool = False) -> Any:
+    def mutate(m: nn.Module) -> None:
+        attn = _attn(m, 1)
+        attn.k_norm = nn.RMSNorm(width)
+        if not only_k:
+            attn.q_norm = nn.RMSNorm(width)
+
+    return mutate
 
 
 REFUSALS = {
-    "architecture": (None, "architecture Qwen3ForCausalLM"),
-    "qk_norm": (lambda m: setattr(_attn(m, 1), "k_norm", nn.LayerNorm(16)), "q/k normalisation"),
+    "extra_layer_module": (_set("model.layers.0", "pre_feedforward_layernorm", lambda: nn.RMSNorm(64)),
+                           "modules the blender does not drive: pre_feedforward_layernorm"),
+    "extra_attention_module": (_set("model.layers.1.self_attn", "qk_norm", lambda: nn.RMSNorm(16)),
+                               "attention has modules the blender does not drive: qk_norm"),
+    "attention_sinks": (_set("model.layers.0.self_attn", "sinks", lambda: nn.Parameter(torch.zeros(4))),
+                        "own parameter sinks"),
+    "decoder_module": (_set("model", "vision_tower", lambda: nn.Linear(2, 2)), "decoder has modules"),
+    "decoder_buffer": (lambda m: m.model.register_buffer("normalizer", torch.tensor(8.0)), "normaliser"),
+    "residual_multiplier": (_set("", "config", SimpleNamespace(residual_multiplier=0.22)), "residual_multiplier=0.22"),
+    "moe": (_set("model.layers.1", "mlp", lambda: FusedMoE()), "mixture of experts"),
+    "one_qk_norm": (_norms(16, only_k=True), "only one of q_norm/k_norm"),
+    "full_width_qk_norm": (_norms(64), "not a per-head norm"),
     "mla": (lambda m: setattr(_attn(m), "qkv_proj", None), "fused qkv_proj"),
     "sliding_window": (lambda m: setattr(_attn(m, 2).attn, "sliding_window", 64), "sliding-window"),
     "non_neox": (lambda m: setattr(_attn(m).rotary_emb, "is_neox_style", False), "non-neox"),
-    "scaled_rope": (_scaled_rope, "Llama3RotaryEmbedding"),
+    "own_rotation": (_retype_rope(OwnForwardRotaryEmbedding), "OwnForwardRotaryEmbedding replaces the standard"),
+    "not_rotary": (_retype_rope(Phi3LongRoPEScaledRotaryEmbedding), "Phi3LongRoPEScaledRotaryEmbedding is not"),
+    "scaled_table": (_scale_table, "scales its cos/sin table"),
+    "stacked_factors": (lambda m: setattr(_attn(m).rotary_emb, "scaling_factors", [1.0, 4.0]), "stacked scaling"),
+    "per_layer_rope": (_set("model.layers.2.self_attn", "rotary_emb", lambda: RotaryEmbedding(16, 500.0, 4096)),
+                       "layer 2's rotary embedding differs"),
     "partial_rope": (lambda m: setattr(_attn(m).rotary_emb, "rotary_dim", 8), "partial rotary"),
     "tensor_parallel": (lambda m: setattr(_attn(m), "total_num_heads", 8), "tensor parallelism"),
     "tp_linear": (lambda m: setattr(_attn(m).qkv_proj, "tp_size", 2), "tensor parallelism"),
@@ -260,22 +326,29 @@ REFUSALS = {
     "llama4_scaling": (lambda m: setattr(_attn(m), "do_llama_4_scaling", True), "llama_4_scaling"),
     "dual_chunk": (lambda m: setattr(_attn(m), "dual_chunk_attention_config", {"chunk_size": 8}), "dual-chunk"),
     "encoder_attention": (lambda m: setattr(_attn(m).attn, "attn_type", "encoder_only"), "attention type"),
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_refusals_name_one_reason(fake, case):
     mutate, reason = REFUSALS[case]
-    if mutate is None:  # the same modules under another architecture's class
-        model: nn.Module = Qwen3ForCausalLM.__new__(Qwen3ForCausalLM)
-        model.__dict__.update(fake.__dict__)
-    else:
-        mutate(fake)
-        model = fake
+    mutate(fake)
     with pytest.raises(UnsupportedBlendModel, match=reason) as info:
-        blend_model_for(model)
+        blend_model_for(fake)
     assert isinstance(info.value, ValueError)
     assert str(info.value).startswith("blending is not supported for this model: ")
+
+
+def test_accepted_by_structure_not_by_class_name(fake):
+    """The same modules under another model class, with a scaled-RoPE subclass that keeps the
+    standard forward, and Qwen3's per-head q/k norms: all driven."""
+    model: nn.Module = Qwen3ForCausalLM.__new__(Qwen3ForCausalLM)
+    model.__dict__.update(fake.__dict__)
+    _retype_rope(Llama3RotaryEmbedding)(model)
+    for layer in model.model.layers:
+        layer.self_attn.q_norm, layer.self_attn.k_norm = nn.RMSNorm(16), nn.RMSNorm(16)
+    ours = blend_model_for(model)
+    assert ours.num_layers == 3 and all(layer._qk_norm for layer in ours.layers)
 
 
 # ----------------------------------------------------------------------------- tracker
