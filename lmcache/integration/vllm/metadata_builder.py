@@ -228,21 +228,29 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
     )
 
 
-BLEND_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-"""Models whose layers the blender can drive (:mod:`.blend_model`)."""
+BLEND_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""HF ``model_type`` of the families whose layers the blender drives (:mod:`.blend_model`)."""
+BLEND_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""Their architectures: the test when a config names no ``model_type``."""
+BLEND_ROPE_TYPES = ("default", "llama3", "linear")
+"""RoPE types whose vLLM tables are unit-amplitude rotations by integer position (re-rotation exact)."""
 
 
 def check_blending(vllm_config: Any, config: LMCacheEngineConfig, *, use_mla: bool, window: bool) -> None:
     """``enable_blending`` against the vLLM setup: vLLM's prefix caching would share a blended
     prompt's blocks as exact KV (ConfigError); a model the blender cannot drive turns
-    blending off with one log line (prefix reuse keeps working)."""
+    blending off with one log line (prefix reuse keeps working).
+
+    Runs before the model exists (scheduler and worker), so it reads the HF config only and
+    is permissive: a model family of :data:`BLEND_MODEL_TYPES` with a RoPE type of
+    :data:`BLEND_ROPE_TYPES`. The worker's structural check (:mod:`.blend_model`) has the
+    final word."""
     if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         raise ConfigError(
             "enable_blending=True: vLLM's prefix caching is on; it would share a blended prompt's blocks "
             "(an approximation) with later requests as exact KV. Start vLLM with --no-enable-prefix-caching"
         )
     hf = getattr(vllm_config.model_config, "hf_config", None)
-    archs = list(getattr(hf, "architectures", None) or [])
     why = None
     if use_mla:
         why = "MLA models keep no separate keys to re-rotate"
@@ -250,16 +258,44 @@ def check_blending(vllm_config: Any, config: LMCacheEngineConfig, *, use_mla: bo
         why = "sliding-window attention is not supported by the blender"
     elif int(vllm_config.parallel_config.tensor_parallel_size) != 1:
         why = "tensor parallelism is not supported by the blender (tensor_parallel_size must be 1)"
-    elif not any(a in BLEND_ARCHITECTURES for a in archs):
-        why = f"architecture {archs or '?'} is not one the blender drives ({', '.join(BLEND_ARCHITECTURES)})"
     else:
-        rope = getattr(hf, "rope_scaling", None) or getattr(hf, "rope_parameters", None) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
-        if kind not in (None, "default"):
-            why = f"RoPE type {kind!r} cannot be re-rotated exactly (only the default RoPE)"
+        why = _blend_family_problem(hf) or _blend_rope_problem(hf)
     if why is not None:
         logger.warning("lmcache: enable_blending turned off: %s; prefix reuse keeps working", why)
         config.enable_blending = False
+
+
+def _blend_family_problem(hf: Any) -> str | None:
+    """Why the HF config is not a causal LM of a family the blender drives, or None."""
+    archs = [str(a) for a in (getattr(hf, "architectures", None) or [])]
+    model_type = getattr(hf, "model_type", None)
+    if isinstance(model_type, str) and model_type:
+        if model_type not in BLEND_MODEL_TYPES:
+            return f"model_type {model_type!r} is not one the blender drives ({', '.join(BLEND_MODEL_TYPES)})"
+        if archs and not any(a.endswith("ForCausalLM") for a in archs):
+            return f"architecture {archs} is not a causal LM"
+    elif not any(a in BLEND_ARCHITECTURES for a in archs):
+        return f"architecture {archs or '?'} is not one the blender drives ({', '.join(BLEND_ARCHITECTURES)})"
+    if getattr(hf, "is_causal", True) is False:
+        return "bidirectional attention (is_causal=False)"
+    return None
+
+
+def _blend_rope_problem(hf: Any) -> str | None:
+    """Why the config's RoPE cannot be re-rotated exactly, or None. Reads ``rope_scaling``
+    and ``rope_parameters`` (transformers 5 keeps one mapping per layer type for some models)."""
+    kinds: set[str] = set()
+    for name in ("rope_scaling", "rope_parameters"):
+        params = getattr(hf, name, None)
+        if not isinstance(params, Mapping):
+            continue
+        nested = [p for p in params.values() if isinstance(p, Mapping)]
+        for p in nested or [params]:
+            kinds.add(str(p.get("rope_type", p.get("type")) or "default"))
+    bad = sorted(kinds - set(BLEND_ROPE_TYPES))
+    if bad:
+        return f"RoPE type {bad[0]!r} cannot be re-rotated exactly (supported: {', '.join(BLEND_ROPE_TYPES)})"
+    return None
 
 
 def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | None:
