@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lmcache.integration.vllm.blend_planner import BlendRules
+from lmcache.integration.vllm.blend_text import TokenText
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
 from lmcache.integration.vllm.pd import Fingerprint, PDPolicy
 from lmcache.integration.vllm.naming import default_socket_dir, instance_id, socket_dir_problem
@@ -299,9 +300,11 @@ def _blend_rope_problem(hf: Any) -> str | None:
 
 
 def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | None:
-    """The scheduler's blending rules: ``blend_special_str`` tokenized by the served model's
-    tokenizer without special tokens. None when blending is off or the tokenizer cannot be
-    loaded (logged: blending stays off, prefix reuse keeps working)."""
+    """The scheduler's blending rules: the separator tokenized by the served model's tokenizer
+    without special tokens (and without its trailing white space, which joins the next word
+    in text prompts; :mod:`.blend_text`), and the tokenizer facts that anchor segments. None
+    when blending is off or the tokenizer cannot be loaded (logged: blending stays off, prefix
+    reuse keeps working)."""
     if not config.enable_blending:
         return None
     model = vllm_config.model_config
@@ -313,7 +316,9 @@ def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | N
             revision=getattr(model, "tokenizer_revision", None),
             trust_remote_code=bool(getattr(model, "trust_remote_code", False)),
         )
-        ids = tuple(int(t) for t in tok.encode(config.blend_special_str, add_special_tokens=False))
+        core = config.blend_special_str.rstrip() or config.blend_special_str
+        ids = tuple(int(t) for t in tok.encode(core, add_special_tokens=False))
+        text = TokenText.from_tokenizer(tok)
     except Exception as exc:  # noqa: BLE001 - any tokenizer failure: no blending, never a crash
         logger.warning(
             "lmcache: enable_blending turned off: cannot tokenize blend_special_str=%r (%s: %s)",
@@ -327,7 +332,7 @@ def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | N
         "lmcache: blending on: separator %r = token ids %s, recompute ratios %s at layers %s, prompts >= %d tokens",
         config.blend_special_str, list(ids), list(config.blend_ratios), list(config.blend_layers), config.blend_min_tokens,
     )  # fmt: skip
-    return BlendRules(ids, config.blend_min_tokens, config.blend_min_segment_tokens, config.blend_max_segments)
+    return BlendRules(ids, config.blend_min_tokens, config.blend_min_segment_tokens, config.blend_max_segments, text)
 
 
 def pd_policy(config: LMCacheEngineConfig, kv_role: str) -> PDPolicy:
