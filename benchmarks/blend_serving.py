@@ -259,10 +259,10 @@ def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tok
         if config.lmcache:
             t1 = time.perf_counter()
             for d in range(len(rag.DOCS)):
-                if args.format == "ids":
-                    complete(server.url, rag.doc_ids(tokenizer, d), 1)
-                else:  # as a user caches a document: its text, alone
-                    send(server.url, "/v1/completions", {"prompt": rag.DOCS[d]}, 1)
+                if args.format == "ids":  # the document's ids, ended by the separator's
+                    complete(server.url, rag.doc_ids(tokenizer, d) + rag.sep_ids(tokenizer), 1)
+                else:  # as a user caches a document: its text, alone, ended by the separator
+                    send(server.url, "/v1/completions", {"prompt": rag.DOCS[d] + rag.SEP_TEXT}, 1)
             run.precache_s = time.perf_counter() - t1
             print(f"  [{run.name}] {len(rag.DOCS)} documents pre-cached in {run.precache_s:.1f} s", flush=True)
         before = blend_counters(server) if config.lmcache else {}

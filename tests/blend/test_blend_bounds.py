@@ -146,3 +146,16 @@ def test_the_segments_op_refuses_more_segments_than_any_scheduler_asks_for(mini)
         assert client.lookup_segments(prompt, bounds[:MAX_BLEND_SEGMENTS]) == [0] * MAX_BLEND_SEGMENTS
     finally:
         client.close()
+
+
+def test_only_a_first_segment_ended_by_the_separator_is_stored(mini):
+    """A prompt without a separator is ordinary traffic (no second copy as a segment); a
+    document followed by the separator is stored; a document after a separator is not
+    (its KV depends on the text before it)."""
+    doc = rnd(40, 77)
+    mini.serve(FakeRequest("plain", list(doc)))
+    assert mini.engine.stats.blend_stored_segment_tokens == 0
+    mini.serve(FakeRequest("after", rnd(20, 78) + SEP + list(doc) + SEP))
+    assert mini.engine.stats.blend_stored_segment_tokens == 20  # the first segment only
+    mini.serve(FakeRequest("alone", list(doc) + SEP))
+    assert mini.engine.stats.blend_stored_segment_tokens == 60

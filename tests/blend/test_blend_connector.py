@@ -223,15 +223,16 @@ def expected_blend(model: HFLlamaBlendModel, prompt: list[int], starts: dict[int
 
 
 def precache(mini: MiniBlendVLLM, docs=(0, 1, 2), salt: str | None = None) -> None:
+    """Each document sent alone, ended by the separator (which marks it as a document to store)."""
     for d in docs:
-        out = mini.serve(FakeRequest(f"doc{d}-{next(_ids)}", list(DOCS[d]), cache_salt=salt))
+        out = mini.serve(FakeRequest(f"doc{d}-{next(_ids)}", list(DOCS[d]) + SEP, cache_salt=salt))
         assert out["external"] == 0
 
 
 # ============================================================================ planner rules
 def refs(*bounds: tuple[int, int]) -> list[SegmentRef]:
-    """Segments of a prompt; the first isolated when it starts at 0."""
-    return [SegmentRef(a, b, isolated=i == 0 and a == 0) for i, (a, b) in enumerate(bounds)]
+    """Segments of a prompt; the first storable when it starts at 0 (and, here, a separator ends it)."""
+    return [SegmentRef(a, b, storable=i == 0 and a == 0) for i, (a, b) in enumerate(bounds)]
 
 
 def test_plan_blends_only_when_segments_beat_the_exact_prefix():
@@ -242,7 +243,7 @@ def test_plan_blends_only_when_segments_beat_the_exact_prefix():
     assert BlendPlanner.plan(61, bounds, [0, 0, 0], exact_hit=0) is None
     last = BlendPlanner.plan(61, refs((0, 61)), [61], exact_hit=0)  # the last token is never claimed as reused
     assert last is not None and last.reused_tokens == 60
-    assert BlendPlanner.to_store(bounds, spec) == (bounds[0],)  # only the isolated first segment is stored
+    assert BlendPlanner.to_store(bounds, spec) == (bounds[0],)  # only the storable first segment is stored
     assert BlendPlanner.to_store(refs((0, 61)), last) == ()  # reused whole: not again
     assert BlendPlanner.to_store(bounds[1:], None) == ()  # segments after a separator never are
 
@@ -285,8 +286,8 @@ def test_plan_invariants(lens, gaps, frac, exact):
     assert all(0 < s.cached <= s.end - s.start for s in spec.reused)
     assert spec.first_reused == min(s.start for s in spec.reused)
     stored = BlendPlanner.to_store(bounds, spec)
-    for s in spec.segments:  # the isolated segment is stored unless it was reused whole; no other
-        want = s.isolated and s.cached < s.end - s.start
+    for s in spec.segments:  # the storable segment is stored unless it was reused whole; no other
+        want = s.storable and s.cached < s.end - s.start
         assert ((s.start, s.end) in {(r.start, r.end) for r in stored}) == want
 
 
@@ -433,7 +434,7 @@ def test_a_blended_prompt_never_stores_prefix_entries_past_its_first_reused_toke
     (meta,) = planner.build(sched_output("r", blocks, n - 1, 1, new=True))
     assert meta.blend == spec and meta.load.num_external == n - 1
     assert limit == CHUNK and meta.save is not None and meta.save.end == limit  # exact chunks only
-    assert meta.segment_saves == (tracker.segments[0],)  # only the isolated first segment
+    assert meta.segment_saves == (tracker.segments[0],)  # only the storable first segment
     req.output = rnd(3 * CHUNK, 5)
     for step in range(1, 3 * CHUNK):
         for m in planner.build(sched_output("r", blocks, n + step - 1, 1, new=False)):

@@ -57,8 +57,8 @@ def served(tmp_path_factory):
         extra_args=["--max-model-len", "2048", "--served-model-name", "m", "--max-num-batched-tokens", "2048"],
     ).start()  # fmt: skip
     try:
-        for d in range(len(rag.DOCS)):
-            complete(server, rag.doc_ids(tok, d), 1)
+        for d in range(len(rag.DOCS)):  # each document alone, ended by the separator
+            complete(server, rag.doc_ids(tok, d) + rag.sep_ids(tok), 1)
         yield server, tok
     finally:
         server.stop()

@@ -83,8 +83,8 @@ def counters(server: OpenAIServer) -> dict[str, float]:
 
 def test_reordered_documents_are_reused_through_vllm(server, separator):
     docs = documents(separator)
-    for doc in docs:  # each document alone: cached as a segment
-        assert complete(server, doc, max_tokens=1)["choices"][0]["finish_reason"] in ("length", "stop")
+    for doc in docs:  # each document alone, ended by the separator: cached as a segment
+        assert complete(server, doc + separator, max_tokens=1)["choices"][0]["finish_reason"] in ("length", "stop")
     before = counters(server)
     assert before["stored_segment_tokens"] >= 0.95 * 4 * DOC_TOKENS  # from each document's second word on
     rng = random.Random(3)

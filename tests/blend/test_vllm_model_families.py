@@ -98,6 +98,23 @@ def test_check_blending_reads_family_and_rope_type(case, caplog):
         assert len(messages) == 1 and reason in messages[0], messages
 
 
+@pytest.mark.parametrize("setting,reason", [
+    ({"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8_e4m3")}, "fp8 KV cache"),
+    ({"lora_config": SimpleNamespace(max_loras=1)}, "LoRA adapters"),
+])  # fmt: skip
+def test_unsafe_setups_turn_blending_off(setting, reason, caplog):
+    """An fp8 KV cache (scales the blender ignores) and LoRA (projections it bypasses) would
+    make blended KV silently wrong: blending is turned off with one line."""
+    vc = _vllm_config(model_type="llama", architectures=["LlamaForCausalLM"])
+    for name, value in setting.items():
+        setattr(vc, name, value)
+    config = LMCacheEngineConfig.from_dict({"enable_blending": True})
+    with caplog.at_level(logging.WARNING, logger="lmcache.integration.vllm.metadata_builder"):
+        check_blending(vc, config, use_mla=False, window=False)
+    assert config.enable_blending is False
+    assert [reason in r.getMessage() for r in caplog.records] == [True]
+
+
 # ----------------------------------------------------------------------------- vLLM's rotary classes
 ROPES: dict[str, tuple[dict[str, Any], str | None]] = {
     "default": ({"rope_type": "default"}, None),

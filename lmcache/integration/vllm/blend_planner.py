@@ -15,10 +15,12 @@ loading a prefix.
 
 Exactness: a blended prompt's KV is an approximation from its first reused token on. Only
 the chunks before that token are stored under prefix keys (exact). Only a prompt's first
-segment is stored under segment keys (its KV was computed from the prompt's start, as if
-sent alone); a later segment's KV depends on the text before it, and storing it would let
-one prompt steer the answers of others. Sending a document alone caches it for later
-blends.
+segment, and only when a separator ends it, is stored under segment keys: its KV was
+computed from the prompt's start, as if sent alone, and the separator marks it as a
+document. A later segment's KV depends on the text before it (storing it would let one
+prompt steer the answers of others), and a prompt without a separator is ordinary traffic
+(storing it would keep a second copy of every prompt). Sending a document followed by the
+separator caches it for later blends.
 
 Bounds (a prompt is hostile input): segments shorter than ``blend_min_segment_tokens`` are
 neither looked up nor stored (their tokens are recomputed with the prompt's new text), and a
@@ -95,7 +97,7 @@ class BlendPlanner:
     def segments(self, prompt: Sequence[int]) -> list[SegmentRef]:
         """The segments of ``prompt`` worth caching: separators excluded, each from its anchor
         on (:mod:`.blend_text`), none under ``min_segment_tokens``; ``[]`` for a prompt of
-        more than ``max_segments`` segments. The first is ``isolated`` when it starts the prompt."""
+        more than ``max_segments`` segments. The first is ``storable`` when a separator ends it."""
         m, n = len(self.rules.separator), len(prompt)
         cuts = find_separators(list(prompt), list(self.rules.separator))
         edges = [0] + [c + m for c in cuts]
@@ -114,7 +116,7 @@ class BlendPlanner:
                 anchor = text.anchor(prompt, a, b)
                 start, lead = anchor.start, anchor.lead
             if b - start >= self.rules.min_segment_tokens:
-                out.append(SegmentRef(start, b, lead=lead, isolated=a == 0))
+                out.append(SegmentRef(start, b, lead=lead, storable=a == 0 and b < n))
         return out
 
     def eligible(self, num_tokens: int, num_computed: int) -> bool:
@@ -146,10 +148,10 @@ class BlendPlanner:
 
     @staticmethod
     def to_store(segments: Sequence[SegmentRef], spec: BlendSpec | None) -> tuple[SegmentRef, ...]:
-        """Segments to store under segment keys once the prompt is computed: the isolated
-        one (the prompt's first), unless a blend reused it whole (a store skips chunks
-        already cached anyway)."""
+        """Segments to store under segment keys once the prompt is computed: the storable one
+        (the prompt's first, ended by a separator), unless a blend reused it whole (a store
+        skips chunks already cached anyway)."""
         whole = {(s.start, s.end) for s in spec.reused if s.cached >= s.end - s.start} if spec else set()
         return tuple(
-            dataclasses.replace(s, cached=0) for s in segments if s.isolated and (s.start, s.end) not in whole
+            dataclasses.replace(s, cached=0) for s in segments if s.storable and (s.start, s.end) not in whole
         )

@@ -54,14 +54,15 @@ class SegmentRef:
     """A segment (document) of a prompt: tokens ``[start, end)``; ``cached`` leading tokens
     of it have segment entries (blending, :mod:`lmcache.v1.blend`). ``lead``: the text
     folded into its key before ``start`` (its first word; :class:`~lmcache.v1.blend.segments.Segment`).
-    ``isolated``: no separator precedes it in the prompt, so its KV was computed from the
-    prompt's start, as if sent alone (only such segments are stored)."""
+    ``storable``: the prompt's first segment, ended by a separator: its KV was computed from
+    the prompt's start, as if sent alone, and the separator marks it as a document (only
+    such segments are stored)."""
 
     start: int
     end: int
     cached: int = 0
     lead: bytes = b""
-    isolated: bool = False
+    storable: bool = False
 
     @property
     def bound(self) -> tuple[int, int, bytes]:

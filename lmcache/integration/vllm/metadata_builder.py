@@ -259,6 +259,11 @@ def check_blending(vllm_config: Any, config: LMCacheEngineConfig, *, use_mla: bo
         why = "sliding-window attention is not supported by the blender"
     elif int(vllm_config.parallel_config.tensor_parallel_size) != 1:
         why = "tensor parallelism is not supported by the blender (tensor_parallel_size must be 1)"
+    elif str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto").startswith("fp8"):
+        why = (f"an fp8 KV cache (cache_dtype={vllm_config.cache_config.cache_dtype!r}): the blender reads and "
+               "writes KV without its k/v scales")  # fmt: skip
+    elif getattr(vllm_config, "lora_config", None) is not None:
+        why = "LoRA adapters are enabled: the blender runs the base model's projections, not the adapter's"
     else:
         why = _blend_family_problem(hf) or _blend_rope_problem(hf)
     if why is not None:
