@@ -14,33 +14,17 @@ from lmcache.integration.vllm.connector_metadata import SegmentRef
 from lmcache.v1.blend import BlendConfig
 from lmcache.v1.blend.segments import Segment, find_separators
 
-import os
 
 import pytest
 
-from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
-from tests.blend.helpers import SEP, tiny_llama
-from tests.blend.test_blend_connector import LAYERS, MiniBlendVLLM, rnd
+from tests.blend.helpers import SEP
+from tests.blend.test_blend_connector import LAYERS, rnd
 from tests.vllm_adapter.test_vllm_connector_unit import FakeRequest
 
 
 @pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LMCACHE_"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture(scope="module")
-def model() -> HFLlamaBlendModel:
-    return HFLlamaBlendModel(tiny_llama(LAYERS))
-
-
-@pytest.fixture
-def mini(tmp_path, model, monkeypatch):
-    m = MiniBlendVLLM(str(tmp_path), model, monkeypatch)
-    yield m
-    m.close()
+def _hermetic(hermetic_env):
+    """No ``LMCACHE_*`` variable of the caller's environment reaches the config (conftest)."""
 
 
 def many_segments(n_segments: int, seg_len: int = 1) -> list[int]:

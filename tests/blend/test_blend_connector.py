@@ -32,7 +32,7 @@ from lmcache.v1.gpu_connector.layouts import component_tensors
 from lmcache.v1.request import KeyExtras
 from lmcache.v1.testing import KVSpec, random_kv_caches
 
-from tests.blend.helpers import SEP, tiny_llama
+from tests.blend.helpers import SEP
 from tests.vllm_adapter.test_vllm_connector_unit import FakeRequest
 
 CHUNK = 16
@@ -177,22 +177,8 @@ class MiniBlendVLLM:
 
 
 @pytest.fixture(autouse=True)
-def _hermetic_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith("LMCACHE_"):
-            monkeypatch.delenv(name)
-
-
-@pytest.fixture(scope="module")
-def model() -> HFLlamaBlendModel:
-    return HFLlamaBlendModel(tiny_llama(LAYERS))
-
-
-@pytest.fixture
-def mini(tmp_path, model, monkeypatch):
-    m = MiniBlendVLLM(str(tmp_path), model, monkeypatch)
-    yield m
-    m.close()
+def _hermetic(hermetic_env):
+    """No ``LMCACHE_*`` variable of the caller's environment reaches the config (conftest)."""
 
 
 def rnd(n: int, seed: int) -> list[int]:
