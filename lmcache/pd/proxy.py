@@ -65,7 +65,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lmcache.http_server import ASGIApp, Receive, Scope, Send, ServerLimits
+from lmcache.http_server import ASGIApp, Message, Receive, Scope, Send, ServerLimits
 from lmcache.log_once import LogOnce
 from lmcache.pd import signing
 from lmcache.pd.metrics import ProxyMetrics
@@ -282,11 +282,24 @@ class _Admission:
             return
         proxy.in_flight += 1
         proxy.metrics.in_flight.set(proxy.in_flight)
+        counted = True
+
+        def release() -> None:
+            nonlocal counted
+            if counted:
+                counted = False
+                proxy.in_flight -= 1
+                proxy.metrics.in_flight.set(proxy.in_flight)
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()  # before the last bytes go out: a client that saw its answer end may send the next
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_counted)
         finally:
-            proxy.in_flight -= 1
-            proxy.metrics.in_flight.set(proxy.in_flight)
+            release()
 
 
 class Proxy:

@@ -187,6 +187,65 @@ def test_prefill_timeout(fakes, make_proxy):
     assert proxy.prefill.down_urls() == []
 
 
+# ------------------------------------------------------------------ limits
+def _body_of_size(size: int) -> bytes:
+    """A completion request of exactly ``size`` bytes."""
+    head = b'{"model":"tiny","max_tokens":4,"prompt":"'
+    out = head + b"x" * (size - len(head) - 2) + b'"}'
+    assert len(out) == size
+    return out
+
+
+def test_body_over_the_limit_is_413_and_reaches_no_server(fakes, make_proxy):
+    p1, d1 = fakes["p1"], fakes["d1"]
+    proxy, client = make_proxy([p1.url], [d1.url], max_body_bytes=4096)
+    resp = client.post("/v1/completions", content=_body_of_size(4096))
+    assert resp.status_code == 200 and len(p1.calls) == len(d1.calls) == 1
+    resp = client.post("/v1/completions", content=_body_of_size(4097))
+    assert resp.status_code == 413
+    assert resp.json() == {"error": {"message": "body: 4097 bytes; expected at most 4096",
+                                     "type": "invalid_request_error", "code": 413}}
+    chunks = [_body_of_size(5000)[i:i + 1000] for i in range(0, 5000, 1000)]
+    resp = client.post("/v1/chat/completions", content=iter(chunks))  # chunked: no Content-Length
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == 413
+    port = int(client.base_url.port or 0)
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as s:  # 150 MB announced, none sent
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 157286400\r\n\r\n")
+        assert s.recv(65536).startswith(b"HTTP/1.1 413")
+    assert len(p1.calls) == len(d1.calls) == 1
+    assert metric(client, 'lmcache_proxy_rejected_total{reason="body_too_large"}') == 3
+
+
+def test_requests_over_max_concurrency_get_503(fakes, make_proxy):
+    """Beyond --max-concurrency requests in flight (a stream counts until its end): 503 with
+    Retry-After, no server asked; /health and /metrics still answer."""
+    p1, d1 = fakes["p1"], fakes["d1"]
+    d1.modes, d1.gate = ["ok", "hang"], threading.Event()
+    proxy, client = make_proxy([p1.url], [d1.url], max_concurrency=2)
+    path, body = REQUESTS["completions"]
+    with client.stream("POST", path, json={**body, "stream": True}) as streamed:
+        chunks = streamed.iter_raw()
+        assert next(chunks).startswith(b"data: ")  # the decoder holds the rest back
+        waiting = threading.Thread(target=lambda: results.append(client.post(path, json=body)))
+        results: list[httpx.Response] = []
+        waiting.start()
+        assert d1.arrivals.acquire(timeout=DEADLINE) and d1.arrivals.acquire(timeout=DEADLINE)
+        resp = client.post(path, json=body)
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "service_unavailable" and resp.json()["error"]["code"] == 503
+        assert client.get("/v1/models").status_code == 503
+        assert client.get("/health").status_code == 200
+        assert metric(client, "lmcache_proxy_in_flight") == 2
+        assert metric(client, 'lmcache_proxy_rejected_total{reason="overloaded"}') == 2
+        assert len(p1.calls) == len(d1.calls) == 2
+        d1.gate.set()
+        rest = b"".join(chunks)
+    waiting.join(DEADLINE)
+    assert rest.endswith(b"data: [DONE]\n\n") and results[0].status_code == 200
+    resp = client.post(path, json=body)  # both finished: room again
+    assert resp.status_code == 200 and proxy.in_flight == 0
+
+
 # ------------------------------------------------------------------ routing
 def test_round_robin(fakes, make_proxy):
     ps, ds = [fakes["p1"], fakes["p2"]], [fakes["d1"], fakes["d2"]]
@@ -381,7 +440,11 @@ def served_by_cli(monkeypatch) -> Iterator[dict[str, Any]]:
     def fake_serve(app: Any, **kwargs: Any) -> None:
         seen.update(kwargs, app=app)
 
+    def not_this_way(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the proxy must be served by lmcache.http_server.serve (limits)")
+
     monkeypatch.setattr("lmcache.http_server.serve", fake_serve)
+    monkeypatch.setattr("uvicorn.run", not_this_way)
     monkeypatch.delenv(signing.SECRET_ENV, raising=False)
     yield seen
 
