@@ -511,6 +511,21 @@ def test_strip_helpers():
     assert sse.feed(b'data: {"c":3') == b"" and sse.flush() == b'data: {"c":3'
 
 
+def test_sse_end_of_stream():
+    sse = SSEFilter()
+    assert sse.feed(b'data: {"a":1}\n\ndata: [DO') == b'data: {"a":1}\n\n' and not sse.done
+    assert sse.feed(b"NE]\r\n") == b"data: [DONE]\r\n" and sse.done
+    event = b'data: {"error":{"message":"gone","type":"upstream_error","code":502}}\n\n'
+    cut = SSEFilter()
+    assert cut.feed(b'data: {"a":1}\n\n') and cut.error_event("gone", 502) == event
+    cut = SSEFilter()  # broke off inside an event: it is ended first, its unterminated tail dropped
+    assert cut.feed(b'data: {"a":1}\ndata: {"b"') == b'data: {"a":1}\n'
+    assert cut.error_event("gone", 502) == b"\n" + event and cut.flush() == b""
+    assert not cut.done
+    other = SSEFilter()
+    assert other.feed(b"data: [DONE] x\n") == b"data: [DONE] x\n" and not other.done
+
+
 # ------------------------------------------------------------------ CLI
 @pytest.mark.parametrize(
     ("argv", "message"),
