@@ -92,8 +92,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: 30)")
     p.add_argument("--max-concurrency", type=_positive_int, default=256, metavar="N",
                    help="requests served at once; more get 503 with Retry-After (default: 256)")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=32 << 20, metavar="N",
-                   help="largest request body; larger ones get 413 (default: 33554432, 32 MiB)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=8 << 20, metavar="N",  # lmcache.pd.proxy.DEFAULT_MAX_BODY_BYTES
+                   help="largest request body; larger ones get 413 (default: 8388608, 8 MiB)")
     p.add_argument("--pd-secret-file", metavar="FILE",
                    help="file whose first line is the PD secret shared with the prefillers and decoders "
                    "(mode 600); default: $LMCACHE_PD_SECRET")

@@ -80,7 +80,8 @@ PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 _FORWARDED_HEADERS = ("authorization",)
 """Client headers passed on to both legs (an ``--api-key`` of the vLLM servers)."""
 
-DEFAULT_MAX_BODY_BYTES = 32 << 20
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+"""8 MiB: a 1M-token id prompt as JSON; at --max-concurrency 256, bodies held at once stay under ~8 GiB."""
 RETRY_AFTER_S = 1
 """``Retry-After`` of the proxy's own 503 (too many requests in flight)."""
 

@@ -480,7 +480,7 @@ def test_cli_defaults(served_by_cli, monkeypatch):
     assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 0
     config = served_by_cli["error_body"].__self__.config
     assert (config.timeout, config.prefill_timeout, config.max_concurrency, config.max_body_bytes, config.sign_ttl) == (
-        600.0, 30.0, 256, 32 << 20, signing.DEFAULT_TTL_S)
+        600.0, 30.0, 256, 8 << 20, signing.DEFAULT_TTL_S)
     monkeypatch.setenv(signing.SECRET_ENV, "short")
     assert main(["proxy", "--prefill", "http://p:1", "--decode", "http://d:1"]) == 2
 
