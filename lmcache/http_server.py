@@ -61,11 +61,12 @@ class ServerLimits:
         _positive("timeout_keep_alive", self.timeout_keep_alive, int)
 
 
-async def _answer(send: Send, status: int, body: Any) -> None:
+async def send_json(send: Send, status: int, body: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Send a whole JSON response and close the connection (the request body may be unread)."""
     data = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-               (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close"), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": data})
 
 
@@ -84,7 +85,7 @@ class BodyLimit:
         limit = self.limits.max_body_bytes
         declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await _answer(send, 413, self.error_body(413, f"body: {declared.decode(errors='replace')} bytes; "
+            await send_json(send, 413, self.error_body(413, f"body: {declared.decode(errors='replace')} bytes; "
                                                           f"expected at most {limit}"))
             return
         parts: list[bytes] = []
@@ -98,14 +99,14 @@ class BodyLimit:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        await _answer(send, 413, self.error_body(413, f"body: more than {limit} bytes; "
+                        await send_json(send, 413, self.error_body(413, f"body: more than {limit} bytes; "
                                                                       f"expected at most {limit}"))
                         return
                     parts.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            await _answer(send, 408, self.error_body(408, f"body: not received within {self.limits.body_timeout:g} s"))
+            await send_json(send, 408, self.error_body(408, f"body: not received within {self.limits.body_timeout:g} s"))
             return
         body = b"".join(parts)
         sent = False

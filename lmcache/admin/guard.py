@@ -11,24 +11,11 @@ Threads: runs on the server's event loop; never blocks.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 from lmcache.admin.auth import host_allowed, token_matches
-from lmcache.http_server import ASGIApp, Receive, Scope, Send
+from lmcache.http_server import ASGIApp, Receive, Scope, Send, send_json
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths answered without a token."""
-
-
-async def answer(send: Send, status: int, body: dict[str, Any],
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """Send a whole JSON response (and close the connection: the request body is unread)."""
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                            (b"connection", b"close"), *headers]})
-    await send({"type": "http.response.body", "body": data})
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -60,12 +47,12 @@ class AccessGuard:
         host = _header(scope, b"host")
         if not host_allowed(host, self.allowed):
             shown = "missing or repeated" if host is None else repr(host[:100])
-            await answer(send, 421, {"error": f"host: {shown} is not a Host this admin API answers (allowed: "
+            await send_json(send, 421, {"error": f"host: {shown} is not a Host this admin API answers (allowed: "
                                               f"{', '.join(sorted(self.allowed))}, any port; add names with "
                                               "--allowed-host)"})
             return
         if scope.get("path") not in OPEN_PATHS and not token_matches(self.token, _header(scope, b"authorization")):
-            await answer(send, 401, {"error": "authorization: expected 'Bearer <token>' with the admin token (see "
+            await send_json(send, 401, {"error": "authorization: expected 'Bearer <token>' with the admin token (see "
                                               "docs/admin.md: the token file)"},
                          ((b"www-authenticate", b"Bearer"),))
             return
