@@ -7,9 +7,9 @@ blended (all but its last token come from lmcache; at the default recompute rati
 documents give (questions a full prefill answers correctly, chosen for it).
 
 The same server then takes the prompts as users send them, through the official ``openai``
-client: one text string to ``/v1/completions`` and a ``/v1/chat/completions`` user message
-(the server renders the chat template and tokenizes: the separator's space merges into the
-next word), with the documents cached as text, alone. Those prompts are blended too.
+client: one text string to ``/v1/completions``, a ``/v1/chat/completions`` user message (the
+server renders the chat template and tokenizes: the separator's space merges into the next
+word), and one chat message per document. Those prompts are blended too.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_real_model_answers_from_reordered_cached_documents(served):
         assert delta["reused_tokens"] >= 0.8 * (doc_tokens - 4 * 3), (delta, doc_tokens)
 
 
-@pytest.mark.parametrize("api", ["completions_text", "chat"])
+@pytest.mark.parametrize("api", ["completions_text", "chat", "chat_messages"])
 def test_text_and_chat_prompts_are_blended(served, api):
     """Prompts as RAG clients send them: the documents' text joined by the separator."""
     import openai
@@ -102,9 +102,12 @@ def test_text_and_chat_prompts_are_blended(served, api):
     content = rag.SEP_TEXT.join([rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {q.text}"])
     doc_tokens = sum(len(rag.doc_ids(tok, d)) for d in order)
     before = server.metrics()
-    if api == "chat":
-        resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
-                                              max_tokens=24, temperature=0)  # fmt: skip
+    if api.startswith("chat"):
+        messages = [{"role": "user", "content": content}]
+        if api == "chat_messages":  # one message per document, no separator
+            messages = [{"role": "user", "content": text} for text in
+                        (rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {q.text}")]  # fmt: skip
+        resp = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
         answer = resp.choices[0].message.content
     else:
         before_text, after_text = rag.chat_wrapper(tok)

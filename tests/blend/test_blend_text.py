@@ -100,3 +100,33 @@ def test_anchor_is_inside_the_segment_and_lead_is_bounded(tok, text, words):
     ids = tok(" ".join(words))["input_ids"]
     anchor = text.anchor(ids, 0, len(ids))
     assert 0 < anchor.start <= len(ids) and len(anchor.lead) <= 256
+
+
+def chat_ids(tok, messages: list[dict]) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_documents_sent_as_separate_chat_messages_have_their_keys_when_alone(tok, planner):
+    """A chat template's turn markers (special tokens) end segments, and the role line after
+    them is skipped: each document message is a segment keyed as the document alone."""
+    (alone,) = keyed(tok(DOC)["input_ids"], planner)
+    (other,) = keyed(tok(OTHER)["input_ids"], planner)
+    messages = [{"role": "system", "content": "Answer from the documents the user sends."},
+                {"role": "user", "content": OTHER}, {"role": "user", "content": DOC},
+                {"role": "user", "content": "Who grants the license?"}]  # fmt: skip
+    inside = keyed(chat_ids(tok, messages), planner)
+    assert alone in inside and other in inside
+
+
+def test_only_the_first_text_segment_is_stored(tok, planner):
+    """Documents after the system message (or after other text) are never stored; the first
+    segment with text is, when a turn marker or separator ends it."""
+    ids = chat_ids(tok, [{"role": "system", "content": "Answer from the documents the user sends."},
+                         {"role": "user", "content": DOC}])  # fmt: skip
+    segs = planner.segments(ids)
+    assert segs[0].storable and not any(s.storable for s in segs[1:])
+    (alone,) = planner.segments(tok(DOC + " # # ")["input_ids"])
+    assert alone.storable
+    (unended,) = planner.segments(tok(DOC)["input_ids"])
+    assert not unended.storable  # ordinary traffic: no separator, not a document

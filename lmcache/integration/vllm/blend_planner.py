@@ -97,11 +97,25 @@ class BlendPlanner:
     def segments(self, prompt: Sequence[int]) -> list[SegmentRef]:
         """The segments of ``prompt`` worth caching: separators excluded, each from its anchor
         on (:mod:`.blend_text`), none under ``min_segment_tokens``; ``[]`` for a prompt of
-        more than ``max_segments`` segments. The first is ``storable`` when a separator ends it."""
+        more than ``max_segments`` segments. With the tokenizer, special tokens (chat turn
+        markers) end segments too. The first segment with text is ``storable`` when a
+        separator or special token ends it."""
         m, n = len(self.rules.separator), len(prompt)
-        cuts = find_separators(list(prompt), list(self.rules.separator))
-        edges = [0] + [c + m for c in cuts]
-        bounds = [(a, b) for a, b in zip(edges, cuts + [n]) if b > a]
+        text = self.rules.text
+        cuts = [(c, c + m) for c in find_separators(list(prompt), list(self.rules.separator))]
+        if text is not None:  # a chat template's turn markers end segments too
+            cuts += [(i, i + 1) for i, t in enumerate(prompt) if int(t) in text.special]
+            cuts.sort()
+        bounds: list[tuple[int, int, bool]] = []  # (start, end, follows a special token)
+        pos, after_special = 0, False
+        for a, b in cuts:
+            if a > pos:
+                bounds.append((pos, a, after_special))
+            if b > pos:
+                pos = b
+                after_special = text is not None and b - a == 1 and int(prompt[a]) in text.special
+        if pos < n:
+            bounds.append((pos, n, after_special))
         if len(bounds) > self.rules.max_segments:
             self.refused_prompts += 1
             self._log_once(logging.WARNING, "too-many", "lmcache: a prompt of %d tokens has %d segments, more than "
@@ -109,14 +123,16 @@ class BlendPlanner:
                            n, len(bounds), self.rules.max_segments)  # fmt: skip
             return []
         out = []
-        text = self.rules.text
-        for a, b in bounds:
+        text_before = False
+        for a, b, follows_special in bounds:
             start, lead = a, b""
             if text is not None:
-                anchor = text.anchor(prompt, a, b)
+                anchor = text.anchor(prompt, a, b, after_special=follows_special)
                 start, lead = anchor.start, anchor.lead
             if b - start >= self.rules.min_segment_tokens:
-                out.append(SegmentRef(start, b, lead=lead, storable=a == 0 and b < n))
+                out.append(SegmentRef(start, b, lead=lead, storable=not text_before and b < n))
+            if text is None or any(text.is_text(int(t)) for t in prompt[a:b]):
+                text_before = True
         return out
 
     def eligible(self, num_tokens: int, num_computed: int) -> bool:

@@ -10,6 +10,10 @@ word on (its anchor); its first word is recomputed, and that word's text, stripp
 white space, is folded into the segment's key (its lead), so ``"Not cat sat"`` can never
 stand in for ``"The cat sat"``.
 
+Chat messages: special tokens (a template's turn markers) end segments like the separator
+does, so documents sent as separate messages are segments of their own; a segment that
+follows a special token skips its role line first (``user\n`` after ``<|im_start|>``).
+
 :class:`TokenText` holds what the scheduler needs of the served model's tokenizer: the
 ids of tokens that begin a word (their text starts with a space: ``Ġ``/``▁``), the
 special token ids, and ``decode``. Built once when blending starts; the anchor of a
@@ -29,6 +33,8 @@ from lmcache.v1.blend.segments import MAX_LEAD_BYTES
 
 logger = logging.getLogger(__name__)
 
+ROLE_LINE_TOKENS = 4
+"""After a special token, a newline within this many tokens ends a role line (skipped)."""
 MAX_LEAD_TOKENS = 16
 """A segment's anchor is searched for within this many tokens of its first one; without a
 word start there (text without spaces), the anchor is the segment's second token."""
@@ -55,6 +61,8 @@ class TokenText:
     decode: Callable[[list[int]], str]
     blank: frozenset[int] = frozenset()
     """Tokens that are only white space (skipped like special tokens before a segment's first word)."""
+    newline: frozenset[int] = frozenset()
+    """Blank tokens holding a line break (the end of a chat template's role line)."""
 
     @classmethod
     def from_tokenizer(cls, tok: Any) -> TokenText:
@@ -62,19 +70,24 @@ class TokenText:
         pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
         starts = frozenset(i for i, p in enumerate(pieces) if isinstance(p, str) and p.startswith(WORD_START_MARKS))
         blank = frozenset(i for i, p in enumerate(pieces) if isinstance(p, str) and p and set(p) <= BLANK_CHARS)
+        newline = frozenset(i for i in blank if "Ċ" in pieces[i] or "\n" in pieces[i])
         special = frozenset(int(i) for i in getattr(tok, "all_special_ids", ()) or ())
 
         def decode(ids: list[int]) -> str:
             return str(tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
-        return cls(starts, special, decode, blank)
+        return cls(starts, special, decode, blank, newline)
 
-    def anchor(self, tokens: Sequence[int], start: int, end: int) -> Anchor:
+    def anchor(self, tokens: Sequence[int], start: int, end: int, *, after_special: bool = False) -> Anchor:
         """The anchor of segment ``tokens[start:end]``: past its leading special and blank
-        tokens and its first word (``end`` when the segment is nothing but those)."""
-        first = start
-        while first < end and (int(tokens[first]) in self.special or int(tokens[first]) in self.blank):
-            first += 1
+        tokens, its role line when it follows a special token (``after_special``), and its
+        first word (``end`` when the segment is nothing but those)."""
+        first = self._skip_blank(tokens, start, end)
+        if after_special:
+            for i in range(first, min(end, first + ROLE_LINE_TOKENS)):
+                if int(tokens[i]) in self.newline:
+                    first = self._skip_blank(tokens, i + 1, end)
+                    break
         if first >= end:
             return Anchor(end, b"")
         limit = min(end, first + 1 + MAX_LEAD_TOKENS)
@@ -85,3 +98,12 @@ class TokenText:
             at = min(first + 1, end)
         lead = self.decode([int(t) for t in tokens[first:at]]).strip().encode("utf-8", "replace")
         return Anchor(at, lead[:MAX_LEAD_BYTES])
+
+    def _skip_blank(self, tokens: Sequence[int], i: int, end: int) -> int:
+        while i < end and (int(tokens[i]) in self.special or int(tokens[i]) in self.blank):
+            i += 1
+        return i
+
+    def is_text(self, token: int) -> bool:
+        """Whether ``token`` is neither special nor blank."""
+        return token not in self.special and token not in self.blank
