@@ -3,7 +3,9 @@ prompt whose documents were prefilled on their own."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -65,3 +67,20 @@ def rag_prompt(
         cached.append(CachedSegmentKV(start, kv.keys, kv.values))
         start += len(doc) + len(SEP)
     return Scenario(torch.tensor(prompt), segments, assemble(len(prompt), cached, model.rope), prefix_len)
+
+
+def vllm_child_env(repo: Path) -> dict[str, str]:
+    """Environment of a child process that starts vLLM (one process, offline, one thread,
+    blending on), without the caller's ``LMCACHE_*`` variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_NUM_THREADS="1",
+        LMCACHE_ENABLE_BLENDING="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+    )
+    return env

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import tomllib
@@ -43,6 +42,7 @@ from lmcache.integration.vllm.blend_model import (
 )
 from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend, deviation, full_prefill
 from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
+from tests.blend.helpers import vllm_child_env
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -543,17 +543,7 @@ def child_main(model_dir: str) -> None:
 @pytest.fixture(scope="module")
 def vllm_run(tiny_llama_dir) -> dict[str, Any]:
     """One vLLM start for the module: the child's measurements (printed when ``-s``)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
-        LMCACHE_ENABLE_BLENDING="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = vllm_child_env(REPO)
     proc = subprocess.run(
         [sys.executable, str(HERE), str(tiny_llama_dir)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
     )

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from lmcache.integration.vllm.blend_model import UnsupportedBlendModel, VLLMBlen
 from lmcache.integration.vllm.metadata_builder import check_blending
 from lmcache.v1.blend import BlendConfig, assemble, blend, full_prefill
 from lmcache.v1.config import LMCacheEngineConfig
+from tests.blend.helpers import vllm_child_env
 from tests.blend.test_vllm_model import LlamaForCausalLM as StandIn
 from tests.blend.test_vllm_model import _ids, _rag, _rel
 
@@ -342,17 +342,7 @@ def family_run(request, tmp_path_factory) -> dict[str, Any]:
     pytest.importorskip("vllm")
     family = request.param
     model_dir = build_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        OMP_NUM_THREADS="1",
-        LMCACHE_ENABLE_BLENDING="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
+    env = vllm_child_env(REPO)
     proc = subprocess.run(
         [sys.executable, str(HERE), family, str(model_dir)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
