@@ -37,7 +37,7 @@ class _Capture(logging.Handler):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(doc=_doc, secret=_secret, where=st.sampled_from(["password", "url", "both", "password-any"]),
+@given(doc=_doc, secret=_secret, where=st.sampled_from(["password", "url", "both", "password-any", "pd", "pd-long"]),
        pw_value=_value, as_yaml=st.booleans())
 def test_config_fuzz_result_or_config_error_never_a_secret(doc, secret, where, pw_value, as_yaml):
     doc = dict(doc)
@@ -47,6 +47,9 @@ def test_config_fuzz_result_or_config_error_never_a_secret(doc, secret, where, p
         doc["remote_url"] = f"redis://u:{secret}@h:1/0"
     if where == "password-any":
         doc["remote_password"] = pw_value if not isinstance(pw_value, str) else secret
+    if where in ("pd", "pd-long"):  # the PD secret: too short (an error) or long enough (a config)
+        doc["pd_secret"] = secret if where == "pd" else secret * 4
+        secret = doc["pd_secret"]
     handler = _Capture()
     log = logging.getLogger("lmcache")
     log.addHandler(handler)
