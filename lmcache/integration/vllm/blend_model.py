@@ -166,6 +166,13 @@ def _children(module: Any) -> set[str]:
     return {name for name, _ in named()} if callable(named) else set()
 
 
+def _own(module: Any, kind: str) -> list[str]:
+    """Names of ``module``'s own ``kind`` (``named_buffers`` or ``named_parameters``), not
+    its children's (none for a non-Module)."""
+    named = getattr(module, kind, None)
+    return sorted(name for name, _ in named(recurse=False)) if callable(named) else []
+
+
 def _check_decoder(model: nn.Module) -> tuple[Any, Sequence[Any]]:
     """``model.model`` and its layers: all on this rank, nothing beside embed/layers/norm."""
     arch = type(model).__name__
@@ -182,8 +189,7 @@ def _check_decoder(model: nn.Module) -> tuple[Any, Sequence[Any]]:
     extra = sorted(_children(decoder) - DECODER_MODULES)
     if extra:
         raise _refuse(f"{arch}'s decoder has modules the blender does not drive: {', '.join(extra)}")
-    buffers = getattr(decoder, "named_buffers", None)
-    own = sorted(name for name, _ in buffers(recurse=False)) if callable(buffers) else []
+    own = _own(decoder, "named_buffers")
     if own:
         raise _refuse(f"{arch}'s decoder scales its hidden states (buffer {own[0]}, e.g. Gemma's normaliser)")
     config = getattr(model, "config", None)
@@ -241,8 +247,7 @@ def _check_attention(attn: Any, index: int) -> None:
     extra = sorted(_children(attn) - ATTENTION_MODULES)
     if extra:
         raise _refuse(f"layer {index}'s attention has modules the blender does not drive: {', '.join(extra)}")
-    params = getattr(attn, "named_parameters", None)
-    own = sorted(name for name, _ in params(recurse=False)) if callable(params) else []
+    own = _own(attn, "named_parameters")
     if own:
         raise _refuse(f"layer {index}'s attention has its own parameter {own[0]} (e.g. attention sinks)")
     _check_qk_norm(attn, index)

@@ -35,10 +35,13 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from lmcache.integration.vllm.blend_text import TokenText
 from lmcache.integration.vllm.connector_metadata import BlendSpec, SegmentRef
 from lmcache.log_once import LogOnce
 from lmcache.v1.blend.segments import find_separators
+from lmcache.v1.token_database import tokens_to_array
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +105,11 @@ class BlendPlanner:
         separator or special token ends it."""
         m, n = len(self.rules.separator), len(prompt)
         text = self.rules.text
-        cuts = [(c, c + m) for c in find_separators(list(prompt), list(self.rules.separator))]
-        if text is not None:  # a chat template's turn markers end segments too
-            cuts += [(i, i + 1) for i, t in enumerate(prompt) if int(t) in text.special]
-            cuts.sort()
+        arr = tokens_to_array(prompt)
+        cuts = [(c, c + m) for c in find_separators(arr, list(self.rules.separator))]
+        if text is not None and text.special:  # a chat template's turn markers end segments too
+            found = np.flatnonzero(np.isin(arr, np.fromiter(text.special, dtype=arr.dtype)))
+            cuts = sorted(cuts + [(int(i), int(i) + 1) for i in found])
         bounds: list[tuple[int, int, bool]] = []  # (start, end, follows a special token)
         pos, after_special = 0, False
         for a, b in cuts:
@@ -131,8 +135,8 @@ class BlendPlanner:
                 start, lead = anchor.start, anchor.lead
             if b - start >= self.rules.min_segment_tokens:
                 out.append(SegmentRef(start, b, lead=lead, storable=not text_before and b < n))
-            if text is None or any(text.is_text(int(t)) for t in prompt[a:b]):
-                text_before = True
+            if not text_before:
+                text_before = text is None or any(text.is_text(int(t)) for t in prompt[a:b])
         return out
 
     def eligible(self, num_tokens: int, num_computed: int) -> bool:
