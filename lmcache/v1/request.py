@@ -14,7 +14,10 @@ run ends as defence in depth).
   :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV` (None for lookups). The paged KV
   is validated by the connector that copies it (:meth:`KVConnector.bind
   <lmcache.v1.gpu_connector.protocol.KVConnector.bind>`), which knows the layout, dtype
-  and hidden size; its checks live in :mod:`lmcache.v1.gpu_connector.paged_kv`.
+  and hidden size; its checks live in :mod:`lmcache.v1.gpu_connector.paged_kv`. The
+  connectors import this module, so it names the paged KV only through
+  :class:`BoundKV`, the part a request reads (``TransferRequest[PagedKV]`` for the
+  precise type).
 * LMCache 0.5.6's arguments: a mask of bools or of numbers that are each 0 or 1
   (:func:`mask_bools`), tier names for ``search_range``/``location`` (:func:`tier_names`,
   :data:`TIER_NAMES`), chunks named by caller hashes (:class:`ChunkHashes`) and the
@@ -40,14 +43,13 @@ import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from lmcache.v1.gpu_connector.paged_kv import PagedKV
-    from lmcache.v1.token_database import ChunkSpan
+    from lmcache.v1.chunk_span import ChunkSpan
 
 TokenInput = Sequence[int] | np.ndarray | torch.Tensor
 MaskInput = torch.Tensor | np.ndarray | Sequence[bool | int | float] | None
@@ -479,14 +481,32 @@ class ChunkHashes:
 
 
 # ---------------------------------------------------------------------- requests
+class BoundKV(Protocol):
+    """What a request reads of its validated paged KV: the slot of each token and the
+    index of the first unmapped (negative) one. The connectors'
+    :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV` has both."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...
+
+    @property
+    def first_unmapped(self) -> int: ...
+
+
+KV = TypeVar("KV", bound=BoundKV)
+
+
 @dataclass(frozen=True, slots=True)
-class TransferRequest:
-    """One validated engine call: tokens, mask start, key extras and (for copies) the paged KV."""
+class TransferRequest(Generic[KV]):
+    """One validated engine call: tokens, mask start, key extras and (for copies) the paged KV.
+
+    Generic in the paged KV's type: a bare ``TransferRequest`` takes any, a connector's
+    code may write ``TransferRequest[PagedKV]``."""
 
     tokens: np.ndarray
     mask_start: int
     extras: KeyExtras
-    kv: PagedKV | None = None
+    kv: KV | None = None
     spans: tuple[ChunkSpan, ...] | None = None
     """The chunks of a request keyed by caller-supplied hashes (:class:`ChunkHashes`);
     ``tokens`` is then a placeholder of the right length (zeros) and must not be hashed."""

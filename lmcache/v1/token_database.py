@@ -15,6 +15,9 @@ directly, converting and hashing every chunk in one pass, and builds the keys wi
 running their ``__init__``. Without it (or when it declines an input it does not handle,
 e.g. a list holding numpy scalars) the hashlib path below computes the same keys.
 ``LMCACHE_NATIVE_HASH=0`` at import forces the hashlib path.
+
+The spans it returns are :class:`~lmcache.v1.chunk_span.ChunkSpan` (defined there, below
+the request types, and re-exported here).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from lmcache.v1.chunk_span import ChunkSpan
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.request import ChunkHashes, KeyExtras, mask_start, native_hash_enabled, tokens_to_array
 
@@ -82,15 +86,6 @@ class PrefixKeys:
     def end(self, count: int) -> int:
         """Number of tokens covered by the first ``count`` keys."""
         return min(count * self.chunk_size, self.num_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkSpan:
-    """One chunk of a token sequence: ``tokens[start:end]`` has key ``key``."""
-
-    start: int
-    end: int
-    key: CacheEngineKey
 
 
 _new = object.__new__
