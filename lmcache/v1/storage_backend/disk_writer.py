@@ -20,6 +20,10 @@ Ownership: one writer per tier, created and closed by it. A queued write holds i
 reference to its memory object (taken in ``submit``, dropped when the write finishes,
 fails or is cancelled) and its booking in the index (committed or released the same
 way). The writer owns the directory fd it fsyncs and closes it in :meth:`DiskWriter.close`.
+
+The tier imports this module; the writer sees the tier only through :class:`DiskTier`,
+the part of it that the writer reads and calls (its lock, index, counters, options and
+its disable/notify/unlink/log hooks).
 """
 
 from __future__ import annotations
@@ -31,18 +35,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.memory_management import GiB, MemoryObj
 from lmcache.v1.storage_backend.disk_file import PAGE, entry_file_name, entry_header, remove_quiet, temp_file_name, write_entry
-from lmcache.v1.storage_backend.disk_index import DiskEntry
+from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex
+from lmcache.v1.storage_backend.disk_options import DiskTierOptions
+from lmcache.v1.storage_backend.disk_stats import DiskTierStats
 from lmcache.v1.storage_backend.entry_format import header_size
-
-if TYPE_CHECKING:
-    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
 # The disk tier logs under one name, whichever of its modules a line comes from.
 logger = logging.getLogger("lmcache.v1.storage_backend.local_disk_backend")
@@ -52,6 +55,55 @@ _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 _GONE = {errno.ENOENT, errno.ENOTDIR}
 _SYNC_BATCH = 64  # renames between directory fsyncs while the queue stays busy
 _REGROW_INTERVAL = 5.0  # seconds between free-space checks while the capacity is lowered
+
+
+class DiskTier(Protocol):
+    """What a :class:`DiskWriter` uses of its tier
+    (:class:`~lmcache.v1.storage_backend.local_disk_backend.LocalDiskBackend` has it all).
+    The writer reads these and calls the hooks; it sets none of them."""
+
+    @property
+    def _lock(self) -> threading.Lock: ...
+
+    @property
+    def _index(self) -> DiskIndex: ...
+
+    @property
+    def _closed(self) -> bool: ...
+
+    @property
+    def _disabled(self) -> str | None:
+        """Why the tier was disabled; None while it works."""
+
+    @property
+    def _o_direct(self) -> bool: ...
+
+    @property
+    def stats(self) -> DiskTierStats: ...
+
+    @property
+    def directory(self) -> str: ...
+
+    @property
+    def options(self) -> DiskTierOptions: ...
+
+    @property
+    def owner_token(self) -> str: ...
+
+    def _disable(self, reason: str) -> None:
+        """Stop using the tier (logged once); ``reason`` says why."""
+
+    def _stop_o_direct(self, exc: OSError) -> None:
+        """Go on with buffered I/O after O_DIRECT failed with ``exc``."""
+
+    def _unlink(self, name: str) -> None:
+        """Delete the file ``name`` of the tier's directory (a missing file is fine)."""
+
+    def _notify(self, kind: str, keys: list[CacheEngineKey]) -> None:
+        """Tell the tier's listener that ``keys`` were ``"stored"`` or ``"removed"``."""
+
+    def _log_once(self, level: int, kind: str, msg: str, *args: Any) -> None:
+        """Log ``msg`` at ``level`` the first time for ``kind``, at debug level after."""
 
 
 @dataclass(slots=True, eq=False)
@@ -70,13 +122,13 @@ class PendingWrite:
 
 
 class DiskWriter:
-    """The write half of one :class:`LocalDiskBackend` (see the module docstring).
+    """The write half of one disk tier (:class:`DiskTier`; see the module docstring).
 
     ``pending`` (key -> its queued write) and ``doomed`` (names of files evicted at
     submit, not yet unlinked) are guarded by the tier's lock.
     """
 
-    def __init__(self, tier: LocalDiskBackend, dir_fd: int) -> None:
+    def __init__(self, tier: DiskTier, dir_fd: int) -> None:
         self._tier = tier
         self._lock = tier._lock
         self._cond = threading.Condition(self._lock)  # signalled whenever a write leaves the pipeline
@@ -104,7 +156,8 @@ class DiskWriter:
     # ------------------------------------------------------------------ caller side
     def submit(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         """Book and queue the chunks of one sequence, ``keys`` head first (see
-        :meth:`LocalDiskBackend.batched_submit_put`). Never blocks, never does I/O."""
+        :meth:`~lmcache.v1.storage_backend.local_disk_backend.LocalDiskBackend.batched_submit_put`).
+        Never blocks, never does I/O."""
         assert len(keys) == len(objs)
         tier = self._tier
         self._maybe_regrow()  # also here: a tier shrunk below one entry queues no writes to check it

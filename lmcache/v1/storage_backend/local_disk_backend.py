@@ -27,8 +27,10 @@ own entries to fit and keeps caching (the capacity grows back, up to
 ``max_local_disk_size``, when space frees up); a permission error or a removed
 directory disables the tier. Each is logged once.
 
-Options (``extra_config``): :class:`DiskTierOptions` (keys, types, defaults and bounds
-in its fields; tabled in docs/configuration.md).
+Options (``extra_config``): :class:`~lmcache.v1.storage_backend.disk_options.DiskTierOptions`
+(keys, types, defaults and bounds in its fields; tabled in docs/configuration.md);
+counters: :class:`~lmcache.v1.storage_backend.disk_stats.DiskTierStats`. Both are
+defined in their own modules, which the writer imports too, and re-exported here.
 """
 
 from __future__ import annotations
@@ -40,99 +42,38 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 from lmcache.log_once import LogOnce
 from lmcache.v1.keys import CacheEngineKey
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig
 from lmcache.v1.memory_management import GiB, MemoryObj
-from lmcache.v1.options import option, parse_options
 from lmcache.v1.private_files import UnsafePathError, check_parent_dir, ensure_private_dir, open_private_dir
-from lmcache.v1.stats import TierStats
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend, TierMemory, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.disk_file import (
-    PAGE,
     entry_file_name,
     o_direct_supported,
     read_entry,
     read_header,
 )
 from lmcache.v1.storage_backend.disk_index import DiskEntry, DiskIndex, OwnerLock, scan_directory
+from lmcache.v1.storage_backend.disk_options import (
+    EXTRA_CLOSE_TIMEOUT as EXTRA_CLOSE_TIMEOUT,
+    EXTRA_O_DIRECT as EXTRA_O_DIRECT,
+    EXTRA_QUEUE_DEPTH as EXTRA_QUEUE_DEPTH,
+    EXTRA_READ_THREADS as EXTRA_READ_THREADS,
+    EXTRA_WRITE_THREADS as EXTRA_WRITE_THREADS,
+    DiskTierOptions,
+)
+from lmcache.v1.storage_backend.disk_stats import DiskTierStats
 from lmcache.v1.storage_backend.disk_writer import DiskWriter
 from lmcache.v1.storage_backend.entry_format import CorruptEntryError, EntryHeader
 from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
-EXTRA_O_DIRECT = "local_disk_o_direct"
-EXTRA_WRITE_THREADS = "local_disk_write_threads"
-EXTRA_READ_THREADS = "local_disk_read_threads"
-EXTRA_QUEUE_DEPTH = "local_disk_queue_depth"
-EXTRA_CLOSE_TIMEOUT = "local_disk_close_timeout"
-
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class DiskTierOptions:
-    """The disk tier's settings, validated (bad values raise ConfigError).
-
-    ``root``, ``capacity_bytes`` and ``cache_policy`` come from the top-level keys
-    (``local_disk``, ``max_local_disk_size``, ``cache_policy``); the rest are the
-    ``extra_config`` options below (their metadata is the docs' source)."""
-
-    root: str
-    capacity_bytes: int
-    cache_policy: str = "LRU"
-    o_direct: bool = option(False, EXTRA_O_DIRECT, "O_DIRECT reads and writes (buffered I/O if the filesystem refuses)")
-    write_threads: int = option(2, EXTRA_WRITE_THREADS, "writer threads", ge=1)
-    read_threads: int = option(2, EXTRA_READ_THREADS, "reader threads for non-blocking reads (prefetch)", ge=1)
-    queue_depth: int = option(64, EXTRA_QUEUE_DEPTH, "queued writes; a full queue drops new writes (counted)", ge=1)
-    close_timeout: float = option(60.0, EXTRA_CLOSE_TIMEOUT, "seconds `close()` waits for queued writes", ge=0)
-
-    @classmethod
-    def from_config(cls, config: LMCacheEngineConfig) -> DiskTierOptions:
-        path = config.local_disk_path
-        if not path:
-            raise ConfigError(f"local_disk={config.local_disk!r}: expected a directory path (file:// prefix optional)")
-        capacity = int(config.max_local_disk_size * GiB)
-        if capacity < PAGE:
-            raise ConfigError(
-                f"max_local_disk_size={config.max_local_disk_size!r}: expected a size in GiB of at least one page"
-            )
-        return parse_options(
-            cls,
-            config.extra_config,
-            root=os.path.abspath(os.path.expanduser(path)),
-            capacity_bytes=capacity,
-            cache_policy=config.cache_policy,
-        )
-
-
-@dataclass(slots=True)
-class DiskTierStats(TierStats):
-    """Counters of one disk tier: the shared :class:`~lmcache.v1.stats.TierStats` and the
-    disk's own. Read with :meth:`snapshot`; the tier updates them with :meth:`add`."""
-
-    indexed_at_start: int = 0
-    """Entries found by the start-up scan."""
-    temp_files_removed: int = 0
-    """Temp files of dead writers deleted by the start-up scan."""
-    puts_accepted: int = 0
-    puts_dropped_queue_full: int = 0
-    puts_rejected_too_large: int = 0
-    """Entries larger than the whole tier."""
-    puts_rejected_no_space: int = 0
-    """Puts that found too many pinned, in-use or queued entries to make room."""
-    disk_full_events: int = 0
-    """Writes that failed because the filesystem was full (the capacity was lowered)."""
-    read_errors: int = 0
-    """Reads that failed with an I/O error; the file was deleted."""
-    evictions: int = 0
-    adopted: int = 0
-    """Entry files written by another process after start-up, found on lookup."""
 
 
 class LocalDiskBackend(StorageBackend):
