@@ -8,9 +8,15 @@
   (``lmcache.v1.gpu_connector``, ``lmcache.v1.storage_backend``, ``lmcache.integration.vllm``,
   ``lmcache.v1``, ...) sits on a cycle, so a lazy import inside a function cannot hide
   one (a module of ``lmcache.v1`` that a connector imports must not import a connector);
+* nor has the static graph: the same one with the imports under ``if TYPE_CHECKING:``
+  counted too (nothing left out), so every arrow points one way even for the type
+  checker. A module that another imports names that one's types through a lower module
+  (``lmcache.v1.chunk_span``) or a ``typing.Protocol`` of its own
+  (``lmcache.v1.request.BoundKV``, ``lmcache.v1.storage_backend.disk_writer.DiskTier``),
+  never by importing it back;
 * the tiers (``storage_backend/``) and the copy connectors (``gpu_connector/``) never
   import upward (engine, transfer paths, hidden-state store, EC engine, vLLM adapter)
-  nor each other.
+  nor each other, not even for types.
 """
 
 from __future__ import annotations
@@ -52,9 +58,15 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _imports(
-    tree: ast.AST, module: str, is_package: bool, modules: set[str], init_names: dict[str, set[str]] | None = None
+    tree: ast.AST,
+    module: str,
+    is_package: bool,
+    modules: set[str],
+    init_names: dict[str, set[str]] | None = None,
+    type_checking: bool = False,
 ) -> set[str]:
-    """lmcache modules imported anywhere in ``tree`` except under ``if TYPE_CHECKING:``.
+    """lmcache modules imported anywhere in ``tree`` (module level and inside functions)
+    except under ``if TYPE_CHECKING:``; with ``type_checking``, there too.
 
     ``from pkg import name`` is an import of ``pkg.name`` when that is a module, or when
     ``pkg``'s ``__init__`` does not define ``name`` (a compiled submodule such as
@@ -70,7 +82,7 @@ def _imports(
         return base
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
                 visit(child)
             return
@@ -107,14 +119,16 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the lmcache modules it imports (see :func:`_imports`; ``type_checking``:
+    the imports under ``if TYPE_CHECKING:`` count too, the static graph)."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(files)
     trees = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in files.items()}
     init_names = {name: _top_level_names(trees[name]) for name, path in files.items() if path.name == "__init__.py"}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        found = _imports(trees[name], name, path.name == "__init__.py", modules, init_names)
+        found = _imports(trees[name], name, path.name == "__init__.py", modules, init_names, type_checking)
         graph[name] = {m for m in found if m != name}
     return graph
 
@@ -184,6 +198,37 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def cycle_path(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One cycle through the first module of ``component`` (a strongly connected component
+    of ``graph``), as the modules along it, that module first and last (shortest, by BFS)."""
+    start, inside = component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph.get(v, ()) & inside):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in came_from:
+                    came_from[w] = v
+                    following.append(w)
+        frontier = following
+    raise ValueError(f"{component} is not a cycle of the graph")
+
+
+def describe_cycles(graph: dict[str, set[str]]) -> str:
+    """Every module cycle and package cycle of ``graph``, one ``a -> b -> a`` a line ('' if none)."""
+    lines = [" -> ".join(cycle_path(graph, c)) for c in cycles(graph)]
+    for package, found in package_cycles(graph).items():
+        contracted = contract(graph, package)
+        lines += [f"[{package}] " + " -> ".join(cycle_path(contracted, sorted(c, key=lambda m: m != package))) for c in found]
+    return "\n".join(lines)
+
+
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
@@ -195,10 +240,28 @@ def test_the_graph_sees_module_and_function_level_imports_but_not_type_checking_
     assert "lmcache.v1.gpu_connector.copy_ops" in graph["lmcache.v1.gpu_connector.paged"]  # from pkg import module
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import lmcache.v1.cache_engine\n")
     assert _imports(tree, "lmcache.x", False, set(graph)) == set()
+    assert _imports(tree, "lmcache.x", False, set(graph), type_checking=True) == {"lmcache.v1.cache_engine"}
+
+
+def test_the_static_graph_adds_the_type_checking_imports():
+    graph, static = import_graph(), import_graph(type_checking=True)
+    assert all(graph[m] <= static[m] for m in graph)
+    assert "lmcache.v1.config" in static["lmcache.v1.token_database"] - graph["lmcache.v1.token_database"]
 
 
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_found_cycle_is_printed_as_a_path():
+    graph = {"a": {"b", "d"}, "b": {"c"}, "c": {"a", "b"}, "d": set()}
+    assert cycle_path(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+    assert cycle_path(graph, ["b", "c"]) == ["b", "c", "b"]
+    assert describe_cycles(graph) == "a -> b -> c -> a"
+    assert describe_cycles({"a": {"b"}, "b": set()}) == ""
+    pkg = "lmcache.v1.gpu_connector"  # a package cycle: a real package's name (packages() reads the tree)
+    graph = {pkg: set(), f"{pkg}.x": {"q"}, "q": {f"{pkg}.y"}, f"{pkg}.y": set()}
+    assert describe_cycles(graph) == f"[{pkg}] {pkg} -> q -> {pkg}"
 
 
 def test_a_compiled_submodule_is_not_its_package():
@@ -218,18 +281,26 @@ def test_package_cycle_finder_sees_a_cycle_that_no_module_cycle_shows():
 
 
 def test_lmcache_has_no_import_cycle():
-    assert cycles(import_graph()) == []
+    graph = import_graph()
+    assert cycles(graph) == [], describe_cycles(graph)
+
+
+def test_lmcache_has_no_import_cycle_counting_type_checking_imports():
+    """The static graph (module-level, function-level and ``if TYPE_CHECKING:`` imports)
+    has no module cycle nor package cycle; a failure prints each cycle as a path."""
+    found = describe_cycles(import_graph(type_checking=True))
+    assert not found, "import cycles (type-only imports counted):\n" + found
 
 
 def test_lmcache_has_no_package_cycle():
     graph = import_graph()
     assert {"lmcache.v1", "lmcache.v1.gpu_connector", "lmcache.integration.vllm"} <= set(packages(graph))
-    assert package_cycles(graph) == {}
+    assert package_cycles(graph) == {}, describe_cycles(graph)
 
 
 def test_tiers_and_connectors_never_import_upward_nor_each_other():
     bad = []
-    for module, deps in sorted(import_graph().items()):
+    for module, deps in sorted(import_graph(type_checking=True).items()):
         for low in LOW_LAYERS:
             if not _within(module, low):
                 continue
