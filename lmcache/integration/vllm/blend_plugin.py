@@ -23,6 +23,7 @@ import threading
 from typing import Any, Callable
 
 from lmcache.integration.vllm.blend_model import VLLMModelTracker
+from lmcache.integration.vllm.vllm_compat import model_loader_classes
 
 __all__ = ["DEFAULT_INSTANCE_ID", "ENABLE_ENV", "blending_enabled", "instance_id_of", "register", "unregister"]
 
@@ -95,16 +96,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _loader_classes() -> list[type]:
-    """``BaseModelLoader`` and every registered loader class that overrides ``load_model``."""
-    from vllm.model_executor import model_loader
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-
-    registry = getattr(model_loader, "_LOAD_FORMAT_TO_MODEL_LOADER", {})
-    classes = [BaseModelLoader]
-    for cls in registry.values():
-        if isinstance(cls, type) and "load_model" in vars(cls) and cls not in classes:
-            classes.append(cls)
-    return classes
+    """``BaseModelLoader`` and every registered loader class that overrides ``load_model``
+    (:func:`~.vllm_compat.model_loader_classes`)."""
+    return model_loader_classes()
 
 
 def _patch() -> None:

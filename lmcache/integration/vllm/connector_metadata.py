@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-try:  # vLLM's marker base class; the data below does not depend on it
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata as _VLLMMetadata
+try:  # vLLM's marker base class (through the version shims); the data below does not depend on it
+    from lmcache.integration.vllm.vllm_compat import KVConnectorMetadata as _VLLMMetadata
 except ImportError:  # pragma: no cover - vLLM is optional for the pure logic
 
     class _VLLMMetadata:  # type: ignore[no-redef]

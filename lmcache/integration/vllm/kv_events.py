@@ -212,7 +212,7 @@ def kv_events_enabled(vllm_config: Any) -> bool:
 
 def to_vllm_events(events: list[StoredEvent | RemovedEvent]) -> list[Any]:
     """vLLM's ``BlockStored`` / ``BlockRemoved`` objects for ``events``."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from lmcache.integration.vllm.vllm_compat import BlockRemoved, BlockStored
 
     out: list[Any] = []
     for ev in events:

@@ -11,6 +11,11 @@ Use it when vLLM's built-in ``LMCacheConnectorV1`` is not wanted (or not present
 
 It forwards every vLLM call to :class:`~.vllm_v1_adapter.LMCacheConnectorV1Impl`,
 the same object vLLM's built-in connector drives, so both behave alike.
+
+Every vLLM class it derives from or calls comes from :mod:`.vllm_compat` (the version shims).
+Sleep mode (vLLM 0.33+) is declined: :meth:`supports_sleep_mode` answers False, so vLLM
+refuses ``--enable-sleep-mode`` with this connector at start-up; the two sleep hooks are
+still safe if called (docs/vllm.md, "Version support").
 """
 
 from __future__ import annotations
@@ -18,23 +23,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
-from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents, KVEventAggregator
-
 from lmcache.integration.vllm.kv_events import to_vllm_events
 from lmcache.integration.vllm.kv_groups import refuse_unsupported_model
 from lmcache.integration.vllm.metrics import LMCacheKVConnectorStats, LMCachePromMetrics
+from lmcache.integration.vllm.vllm_compat import (
+    KVCacheEvent,
+    KVConnectorBase_V1,
+    KVConnectorKVEvents,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVEventAggregator,
+    check_vllm_version,
+    connector_output_events,
+)
 from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
 if TYPE_CHECKING:
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -138,6 +146,23 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
     def shutdown(self) -> None:
         self._impl.close()
 
+    # ------------------------------------------------------------------ sleep mode (vLLM 0.33+)
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Declined: lmcache copies from and to the KV tensors vLLM registered at start-up and
+        cannot follow a sleeping engine's remap of them (vLLM then refuses sleep mode)."""
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        """Not reached while :meth:`supports_sleep_mode` is False; if called, this worker drops
+        every reference to vLLM's KV tensors and stops caching. Idempotent."""
+        self._impl.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """After :meth:`unregister_kv_caches`: the cache stays off on this worker (vLLM passes
+        no tensors to re-register). Idempotent."""
+        self._impl.restore_kv_caches()
+
     # ------------------------------------------------------------------ KV events
     def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
         """Worker side, every step: this worker's stored/removed chunk events."""
@@ -150,7 +175,7 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Scheduler side: collect the workers' events for :meth:`take_events`."""
-        events = getattr(connector_output, "kv_cache_events", None)
+        events = connector_output_events(connector_output)
         if not isinstance(events, LMCacheConnectorKVEvents):
             return
         if self._kv_events is None:
@@ -170,7 +195,9 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """No layout preference; used as vLLM's earliest class hook to refuse a model lmcache
         cannot cache (a Mamba / linear-attention hybrid) with a clear reason, before vLLM's own
-        cache-group check fails with a message that does not name the connector."""
+        cache-group check fails with a message that does not name the connector. An unsupported
+        vLLM release is refused here too (one line naming the supported range)."""
+        check_vllm_version()
         refuse_unsupported_model(vllm_config)
         return None
 

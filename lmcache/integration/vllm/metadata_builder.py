@@ -57,12 +57,9 @@ def kv_cache_dtype(vllm_config: Any) -> torch.dtype:
     cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     if cache_dtype in (None, "auto"):
         return vllm_config.model_config.dtype
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from lmcache.integration.vllm.vllm_compat import kv_cache_torch_dtype
 
-    try:
-        return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
-    except KeyError:
-        raise ValueError(f"cache_dtype={cache_dtype!r}: lmcache does not know this KV cache dtype") from None
+    return kv_cache_torch_dtype(cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)

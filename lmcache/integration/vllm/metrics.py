@@ -28,8 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
+from lmcache.integration.vllm.vllm_compat import KVConnectorPromMetrics, KVConnectorStats
 from lmcache.observability.metrics import PromSink, StatsDelta, merge_payloads, summarize_payload
 
 logger = logging.getLogger(__name__)

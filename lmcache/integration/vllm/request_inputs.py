@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lmcache.integration.vllm.vllm_compat import mm_feature_identifier
 from lmcache.v1.request import KeyExtras
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ def request_key_extras(request: Any) -> dict[str, Any]:
         name = getattr(lora, "lora_name", None) or getattr(lora, "lora_int_id", None)
         keys.append(f"lora={name}")
     for feature in getattr(request, "mm_features", None) or ():
-        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        ident = mm_feature_identifier(feature)
         if ident:
             keys.append(f"mm={ident}")
     return KeyExtras.build(cache_salt=str(salt) if salt else None, extra_keys=keys or None).as_kwargs()

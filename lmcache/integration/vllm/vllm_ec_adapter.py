@@ -34,13 +34,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.ec_transfer.ec_connector.base import (
+
+from lmcache.integration.vllm.stats_registry import register_ec_stats
+from lmcache.integration.vllm.vllm_compat import (
     ECConnectorBase,
     ECConnectorMetadata,
     ECConnectorRole,
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    ec_connector_metadata,
 )
-
-from lmcache.integration.vllm.stats_registry import register_ec_stats
 from lmcache.log_once import LogOnce
 from lmcache.v1.config import ConfigError, LMCacheEngineConfig, load_ec_engine_config
 from lmcache.v1.ec_engine import ECCacheEngine, ECStats
@@ -178,7 +181,12 @@ class LMCacheECConnectorImpl:
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole, parent: ECConnectorBase) -> None:
         self._parent = parent
         self.role = role
-        try:  # first: a bad configuration fails before anything is built, in one readable line
+        try:  # first: an unsupported vLLM or a bad configuration fails before anything is built, in one line
+            check_vllm_version()
+        except UnsupportedVLLMVersion as exc:
+            logger.error("lmcache encoder cache cannot run with this vLLM: %s", exc)
+            raise
+        try:
             self.config = load_ec_engine_config()
         except ConfigError as exc:
             logger.error("lmcache encoder cache configuration error: %s", exc)
@@ -247,7 +255,7 @@ class LMCacheECConnectorImpl:
     # ------------------------------------------------------------------ worker side
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         """Put each planned, cached item into ``encoder_cache`` (items already there are skipped)."""
-        metadata = self._parent._get_connector_metadata()  # noqa: SLF001 - vLLM has no public accessor
+        metadata = ec_connector_metadata(self._parent)
         if not isinstance(metadata, LMCacheECConnectorMetadata):
             raise TypeError(
                 f"connector metadata={type(metadata).__name__}: expected LMCacheECConnectorMetadata "

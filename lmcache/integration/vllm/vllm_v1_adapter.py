@@ -53,6 +53,14 @@ from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.naming import instance_id, socket_path
 from lmcache.integration.vllm.registration import Registration, start_registration
 from lmcache.integration.vllm.stats_registry import process_snapshot
+from lmcache.integration.vllm.vllm_compat import (
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    kv_cache_config_of,
+    refuse_sleep_mode,
+    set_recompute_policy,
+    tensor_parallel_rank,
+)
 from lmcache.integration.vllm.worker_admin import WorkerAdmin
 from lmcache.integration.vllm.blend_worker import make_runner
 from lmcache.integration.vllm.worker_side import WorkerConnector
@@ -73,24 +81,14 @@ def _is_scheduler(role: Any) -> bool:
     return str(name).upper() == "SCHEDULER"
 
 
-def _tp_rank(vllm_config: Any, world_size: int) -> int:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return int(get_tensor_model_parallel_rank())
-    except (ImportError, AssertionError, AttributeError, RuntimeError):
-        return int(getattr(vllm_config.parallel_config, "rank", 0)) % max(world_size, 1)
-
-
 def _use_recompute_policy(vllm_config: Any) -> None:
-    ktc = vllm_config.kv_transfer_config
-    if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+    previous = set_recompute_policy(vllm_config.kv_transfer_config)
+    if previous is not None:
         logger.info(
             "lmcache: setting kv_load_failure_policy=%r -> 'recompute' (a lost cache entry must be "
             "recomputed, not fail the request)",
-            ktc.kv_load_failure_policy,
+            previous,
         )
-        ktc.kv_load_failure_policy = "recompute"
 
 
 class LMCacheConnectorV1Impl:
@@ -105,8 +103,14 @@ class LMCacheConnectorV1Impl:
         setup_logging()
         self._parent = parent
         self.vllm_config = vllm_config
-        try:  # first: a bad configuration fails before anything is built, in one readable line
-            self.settings: AdapterSettings = settings_from_vllm(vllm_config, getattr(parent, "_kv_cache_config", None))
+        try:  # first: an unsupported vLLM or setup fails before anything is built, in one readable line
+            check_vllm_version()
+            refuse_sleep_mode(vllm_config, "the lmcache connector")
+        except (UnsupportedVLLMVersion, ValueError) as exc:
+            logger.error("lmcache cannot run with this vLLM: %s", exc)
+            raise
+        try:
+            self.settings: AdapterSettings = settings_from_vllm(vllm_config, kv_cache_config_of(parent))
         except ConfigError as exc:
             logger.error("lmcache configuration error: %s", exc)
             raise
@@ -126,6 +130,7 @@ class LMCacheConnectorV1Impl:
         self._admin: WorkerAdmin | None = None
         self._registration: Registration | None = None
         self._closed = False
+        self._restore_logged = False
         self.warn = failure_logger(logger)
         # attributes vLLM's wrapper resets when an impl has no bind_connector_metadata
         self.current_layer = 0
@@ -137,7 +142,7 @@ class LMCacheConnectorV1Impl:
             if getattr(parent, "forwards_connector_stats", False):  # PD counters live on this side
                 self.stats_delta = StatsDelta(self.scheduler.snapshot)
         else:
-            self.rank = _tp_rank(vllm_config, self.settings.world_size)
+            self.rank = tensor_parallel_rank(vllm_config, self.settings.world_size)
             self.engine = create_engine(self.settings, self.rank)
             saves = self.rank == 0 or not self.settings.save_only_first_rank
             engine, engine_id = self.engine, self.settings.engine_id
@@ -251,6 +256,30 @@ class LMCacheConnectorV1Impl:
             logger.error(
                 "lmcache disabled for this worker: registering KV caches failed (%s: %s)", type(exc).__name__, exc
             )
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep hook (lmcache declines sleep mode, so vLLM should never call it):
+        drop every reference to vLLM's KV tensors and stop caching on this worker. Idempotent."""
+        if self.worker is None:
+            return
+        registered = self.worker.kvcaches is not None
+        self.worker.unregister_kv_caches()
+        if registered:
+            logger.warning(
+                "lmcache: vLLM unregistered its KV caches (sleep mode); the cache is off on worker rank %d", self.rank
+            )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33's wake-up hook: vLLM passes no tensors, and lmcache cannot tell whether the
+        old ones are still valid, so the cache stays off on this worker. Idempotent."""
+        if self.worker is None or self.worker.kvcaches is not None or self._restore_logged:
+            return
+        self._restore_logged = True
+        logger.warning(
+            "lmcache: vLLM restored its KV caches after sleep; lmcache does not support sleep mode and stays off "
+            "on worker rank %d until vLLM restarts",
+            self.rank,
+        )
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         self.current_layer = 0

@@ -202,6 +202,21 @@ class WorkerConnector:
             self.steps.name,
         )
 
+    def unregister_kv_caches(self) -> None:
+        """Forget vLLM's KV tensors (vLLM 0.33's sleep hook): no reference to them is kept,
+        here or in the GPU connector, and the cache is off (lookups over the socket answer 0, a
+        load the scheduler still plans is reported as failed and recomputed, saves are skipped).
+        Idempotent."""
+        self._close_generators()
+        self._reqs = []
+        self.kvcaches = None
+        self.layer_names = []
+        self._layer_set = set()
+        self.enabled = False
+        connector = self.engine.gpu_connector
+        if connector is not None:
+            connector.kvcaches = None
+
     # ------------------------------------------------------------------ per step
     def bind(self, metadata: Any) -> None:
         """New step: take its metadata and reset the per-step state."""
