@@ -16,8 +16,8 @@
 # rebuilds them from the same sources (a new file replaces the old, so a process that has
 # the old one loaded keeps it).
 #
-# Needs about 3.5 GB of disk per side venv and 3-6 minutes to build it (network), then
-# about 10 minutes per release for the tests on a 2-core machine (docs/compatibility.md).
+# Needs about 3.5 GB of disk per side venv and 4-6 minutes to build it (download), then
+# 6-9 minutes per release for the tests on a 2-core machine (docs/compatibility.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
