@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import forkserver
 from harness.vllm_utils import REPO_ROOT
 
 DYNAMIC = {
@@ -46,7 +47,7 @@ class OpenAIServer:
     env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | forkserver.ForkedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -79,10 +80,8 @@ class OpenAIServer:
             *(["--kv-transfer-config", json.dumps(self.kv_transfer_config)] if self.kv_transfer_config else []),
             *self.extra_args,
         ]  # fmt: skip
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO_ROOT)
-        )
+        self.log_path.write_text("")
+        self.proc = forkserver.popen(cmd, env=env, cwd=str(REPO_ROOT), log_path=self.log_path)
         return self
 
     def wait_ready(self, timeout: float = 420.0) -> OpenAIServer:
@@ -125,9 +124,6 @@ class OpenAIServer:
             except (ProcessLookupError, PermissionError):
                 pass
             self.proc = None
-        log = getattr(self, "_log", None)
-        if log is not None:
-            log.close()
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from harness import forkserver
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------ model
@@ -343,21 +345,20 @@ def run_vllm(run: VLLMRun) -> dict[str, Any]:
         spec_path.write_text(json.dumps(asdict(run)))
         # Output to a file, not pipes (a lingering vLLM helper process would hold a pipe
         # open), and a session of its own so every process it started can be ended.
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
-                env=env,
-                cwd=tmp,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                rc = proc.wait(timeout=run.timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                _kill_session(proc.pid)
+        # The child is forked from a process that has imported torch and vLLM already
+        # (harness/forkserver.py): a fresh engine without paying the imports again.
+        proc = forkserver.popen(
+            [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)],
+            env=env,
+            cwd=tmp,
+            log_path=log_path,
+        )
+        try:
+            rc = proc.wait(timeout=run.timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            _kill_session(proc.pid)
         text = log_path.read_text(errors="replace")
         if rc != 0 or not out_path.exists():
             raise RuntimeError(f"vLLM subprocess failed (rc={rc}, timeout={run.timeout}s):\n{text[-12000:]}")
