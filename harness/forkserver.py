@@ -8,9 +8,10 @@ forks one child per request. Each child is still a new process with its own sess
 environment, working directory, argv and log file, and runs the requested script or
 module as ``__main__`` exactly as ``python script.py`` / ``python -m module`` would.
 
-:func:`popen` is the one entry point: it returns a :class:`ForkedProcess` (the subset of
+:func:`popen` starts a child: it returns a :class:`ForkedProcess` (the subset of
 ``subprocess.Popen`` the harness uses: ``pid``, ``poll``, ``wait``, ``returncode``, ``args``)
 or, when the fork server cannot serve the request, a plain ``subprocess.Popen``.
+:func:`run` is ``subprocess.run`` on top of it.
 ``LMCACHE_TEST_FORKSERVER=0`` turns it off (every child is then a fresh interpreter).
 
 What a forked child does not get fresh: modules imported before the fork (torch, vLLM)
@@ -341,6 +342,25 @@ def popen(argv: list[str], *, env: dict[str, str], cwd: str, log_path: str | os.
             argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
+
+
+def run(
+    argv: list[str], *, env: dict[str, str], cwd: str | os.PathLike[str], timeout: float
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=...)`` through :func:`popen`:
+    stdout and stderr arrive together in ``stdout``; on timeout the child's session is killed
+    and ``subprocess.TimeoutExpired`` raised."""
+    with tempfile.TemporaryDirectory(prefix="lmcache-forked-") as tmp:
+        log_path = Path(tmp) / "output.txt"
+        proc = popen(argv, env=env, cwd=os.fspath(cwd), log_path=log_path)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return subprocess.CompletedProcess(argv, rc, log_path.read_text(errors="replace"), "")
 
 
 if __name__ == "__main__":

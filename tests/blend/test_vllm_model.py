@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from harness import forkserver
 
 from lmcache.integration.vllm import blend_plugin
 from lmcache.integration.vllm.blend_model import (
@@ -544,9 +544,7 @@ def child_main(model_dir: str) -> None:
 def vllm_run(tiny_llama_dir) -> dict[str, Any]:
     """One vLLM start for the module: the child's measurements (printed when ``-s``)."""
     env = vllm_child_env(REPO)
-    proc = subprocess.run(
-        [sys.executable, str(HERE), str(tiny_llama_dir)], env=env, cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    proc = forkserver.run([sys.executable, str(HERE), str(tiny_llama_dir)], env=env, cwd=REPO, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

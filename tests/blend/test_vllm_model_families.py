@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from harness import forkserver
 
 from lmcache.integration.vllm.blend_model import UnsupportedBlendModel, VLLMBlendModel
 from lmcache.integration.vllm.metadata_builder import check_blending
@@ -343,10 +343,7 @@ def family_run(request, tmp_path_factory) -> dict[str, Any]:
     family = request.param
     model_dir = build_checkpoint(family, tmp_path_factory.mktemp(f"tiny-{family}"))
     env = vllm_child_env(REPO)
-    proc = subprocess.run(
-        [sys.executable, str(HERE), family, str(model_dir)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    proc = forkserver.run([sys.executable, str(HERE), family, str(model_dir)], env=env, cwd=REPO, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

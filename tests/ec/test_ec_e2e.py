@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import forkserver
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -93,7 +93,7 @@ def child_main(model_dir: str, mode: str, names: list[str]) -> None:
 # ----------------------------------------------------------------------------- test
 def _run_child(model_dir: Path, mode: str, names: list[str], env: dict[str, str]) -> dict:
     cmd = [sys.executable, str(HERE), str(model_dir), mode, ",".join(names)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = forkserver.run(cmd, env=env, cwd=os.getcwd(), timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
@@ -117,7 +117,9 @@ def test_second_process_reuses_encoder_output_with_identical_tokens(tmp_path):
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),  # the child imports tests.*
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+        ),  # the child imports tests.*
         LMCACHE_EC_LOCAL_DISK=str(disk),
         LMCACHE_EC_MAX_LOCAL_DISK_SIZE="0.25",
         LMCACHE_EC_MAX_LOCAL_CPU_SIZE="0.0625",
