@@ -351,6 +351,37 @@ def test_tenants_do_not_share_segments(mini):
     assert mini.serve(FakeRequest("a", prompt, cache_salt="tenant-a"))["external"] == len(prompt) - 1
 
 
+def test_a_document_primed_after_adversarial_text_does_not_reach_another_tenant(mini, model):
+    """Poisoning: tenant A sends document 1 after text of its choosing, in every shape a
+    prompt can take, before anyone cached it alone; tenant B shares A's salt. B's blend then
+    loads document 1 exactly as computed alone (what a clean cache gives), not A's version."""
+    salt = "shared"
+    adversarial = rnd(30, 77)
+    primes = [
+        adversarial + SEP + DOCS[1] + SEP + rnd(8, 5),  # a document after chosen text
+        adversarial + SEP + DOCS[1] + SEP,  # ... ended by a separator
+        rnd(20, 78) + SEP + DOCS[0] + SEP + DOCS[1] + SEP,  # after another document
+        adversarial + DOCS[1] + SEP,  # glued to the chosen text (one segment: its key is not document 1's)
+    ]
+    for i, prompt in enumerate(primes):
+        mini.serve(FakeRequest(f"a{i}", prompt, cache_salt=salt))
+    # the primed computation really differs from the document alone: a stored copy would poison
+    primed = full_prefill(model, torch.tensor(primes[0]))
+    alone = full_prefill(model, torch.tensor(DOCS[1]))
+    start = len(adversarial) + len(SEP)
+    assert (primed.values[1][start : start + len(DOCS[1])] - alone.values[1]).abs().max() > 1e-2
+
+    precache(mini, salt=salt)  # tenant B caches the three documents alone
+    prompt, starts = rag([1, 0, 2])
+    out = mini.serve(FakeRequest("b", prompt, cache_salt=salt))
+    assert out["external"] == len(prompt) - 1 and not out["errors"]
+    want = expected_blend(model, prompt, dict(zip([1, 0, 2], starts)), len(prompt) - 1)
+    got_k, got_v = out["kv_after_load"]
+    for li in range(LAYERS):
+        torch.testing.assert_close(got_k[li], want.keys[li], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_v[li], want.values[li], atol=1e-5, rtol=1e-5)
+
+
 def test_short_prompts_are_not_blended(mini):
     precache(mini)
     prompt = DOCS[0][:20] + SEP + rnd(5, 3)  # below blend_min_tokens
