@@ -4,8 +4,8 @@
   to a directory (no network: ``HF_HUB_OFFLINE=1``).
 * :func:`tiny_model_path` builds it once per machine and spec (the tests' session
   fixture ``tiny_llama_dir`` in ``tests/conftest.py`` returns it).
-* :func:`run_vllm` runs vLLM generation in a *fresh subprocess* (one engine start per
-  call) and returns the greedy token ids of every prompt plus lmcache's own counters
+* :func:`run_vllm` runs vLLM generation in a *new process* (one engine start per call,
+  forked from :mod:`harness.forkserver`, which has imported torch and vLLM already) and returns the greedy token ids of every prompt plus lmcache's own counters
   (``CacheStats``) after each round, as a JSON-like dict.
 
 A run is a list of rounds; each round is a list of token-id prompts generated in one
