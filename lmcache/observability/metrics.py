@@ -247,6 +247,11 @@ METRICS: tuple[MetricDef, ...] = (
         "Tokens stored under segment keys (documents for later blends).",
         "blend_stored_segment_tokens",
     ),
+    _c(
+        "lmcache_blend_stored_result_tokens",
+        "Tokens of blended prompts stored as blend results (reused when the prompt is sent again).",
+        "blend_stored_result_tokens",
+    ),
     _c("lmcache_hidden_state_requests", "Hidden-state retrieve requests.", "hidden_retrieve_requests"),
     _c("lmcache_hidden_state_hit_tokens", "Tokens whose hidden states were returned.", "hidden_hit_tokens"),
     _c(

@@ -15,7 +15,8 @@ Keys (all numbers; counters only grow):
   ``store_requests``, ``stored_tokens``, ``stored_bytes``, ``store_skipped_chunks``,
   ``evictions``, ``load_errors``;
 * ``blend_requests``, ``blend_reused_tokens``, ``blend_recomputed_tokens``,
-  ``blend_failures``, ``blend_stored_segment_tokens`` (CacheBlend);
+  ``blend_failures``, ``blend_stored_segment_tokens``, ``blend_stored_result_tokens``
+  (CacheBlend);
 * ``{store,retrieve,lookup,blend}_seconds_{count,sum}``;
 * ``disk_<counter>`` / ``remote_<counter>`` / ``hidden_<counter>``: the tier's own
   counters (:class:`DiskTierStats`, :class:`RemoteStats`, :class:`HiddenStateStats`);

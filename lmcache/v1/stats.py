@@ -68,6 +68,8 @@ class CacheStats(Counters):
     """Blends that failed (the prompt was recomputed)."""
     blend_stored_segment_tokens: int = 0
     """Tokens stored under segment keys (documents for later blends)."""
+    blend_stored_result_tokens: int = 0
+    """Tokens of blended prompts stored as blend results (for the same prompt sent again)."""
     evictions: int = 0
     load_errors: int = 0
     corrupt_entries: int = 0

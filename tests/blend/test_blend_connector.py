@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lmcache.integration.vllm import blend_worker, vllm_v1_adapter
-from lmcache.integration.vllm.blend_planner import BlendCost, BlendPlanner, BlendRules
+from lmcache.integration.vllm.blend_planner import BlendCost, BlendPlanner, BlendRules, blend_result_key
 from lmcache.integration.vllm.connector_metadata import SegmentRef
 from lmcache.integration.vllm.blend_worker import BlendRunner
 from lmcache.v1.blend import BlendConfig, CachedSegmentKV, assemble, blend, full_prefill
@@ -399,6 +399,99 @@ def test_a_repeated_prompt_is_an_exact_hit_not_a_blend(mini):
     out = mini.serve(FakeRequest("again", prompt))
     assert out["external"] == min(exact, len(prompt) - 1) and out["external"] >= len(prompt) - CHUNK
     assert mini.engine.stats.blend_requests == 0
+
+
+def test_a_blended_prompt_sent_again_loads_its_blend_result(mini):
+    """The second send of a blended prompt is a load of the first one's KV (the same
+    approximation, so the same answer), not a second blend, and still no exact prefix."""
+    precache(mini)
+    prompt, starts = rag([2, 0, 1])
+    n = len(prompt)
+    first = mini.serve(FakeRequest("first", prompt))
+    assert first["external"] == n - 1 and mini.engine.stats.blend_requests == 1
+    assert mini.engine.stats.blend_stored_result_tokens >= n - n % CHUNK
+    again = mini.serve(FakeRequest("again", prompt))
+    loaded = again["external"]
+    assert n - 1 >= loaded >= n - n % CHUNK and not again["errors"]  # whole chunks (blocks, with block reuse)
+    assert mini.engine.stats.blend_requests == 1  # not blended again
+    for li in range(LAYERS):  # the first send's KV, token for token
+        torch.testing.assert_close(again["kv_after_load"][0][li], first["kv_after_load"][0][li][:loaded])
+        torch.testing.assert_close(again["kv_after_load"][1][li], first["kv_after_load"][1][li][:loaded])
+    snap = mini.scheduler.scheduler.snapshot()
+    assert snap["scheduler_blend_result_offers"] == 1 and snap["scheduler_blend_offers"] == 1
+    assert mini.engine.lookup(prompt) <= starts[0] - starts[0] % CHUNK  # never an exact hit
+
+
+def test_a_longer_prompt_after_a_blended_one_starts_from_its_blend_result(mini):
+    """A conversation's next turn (the blended prompt, the answer, a new question) loads the
+    first turn's blend result; what it computes on top is approximate too, so it is stored as
+    a blend result, never under prefix keys."""
+    precache(mini)
+    prompt, starts = rag([1, 2, 0])
+    mini.serve(FakeRequest("turn1", prompt))
+    turn2 = prompt + rnd(3 * CHUNK, 31)
+    out = mini.serve(FakeRequest("turn2", turn2))
+    assert len(prompt) >= out["external"] >= len(prompt) - len(prompt) % CHUNK and not out["errors"]
+    assert mini.engine.stats.blend_requests == 1
+    assert mini.engine.lookup(turn2) <= starts[0] - starts[0] % CHUNK
+    turn3 = turn2 + rnd(5, 32)
+    out3 = mini.serve(FakeRequest("turn3", turn3))  # turn 2's computed chunks were stored as blend results
+    assert out3["external"] >= len(turn2) - len(turn2) % CHUNK
+    assert mini.scheduler.scheduler.snapshot()["scheduler_blend_result_offers"] == 2
+
+
+def test_blend_results_stay_within_their_tenant_and_exact_prompts_never_see_them(mini):
+    precache(mini, salt="a")
+    prompt, _ = rag([0, 2, 1])
+    mini.serve(FakeRequest("a1", prompt, cache_salt="a"))
+    precache(mini, salt="b")
+    out = mini.serve(FakeRequest("b1", prompt, cache_salt="b"))  # tenant b blends its own
+    assert out["external"] == len(prompt) - 1
+    assert mini.engine.stats.blend_requests == 2
+    short = prompt[: MIN_TOKENS - 1]  # too short to be blended: the exact path only
+    assert mini.serve(FakeRequest("short", short, cache_salt="a"))["external"] <= CHUNK
+
+
+def test_planner_choose_prefers_the_cheapest_path():
+    cost = BlendCost()
+    segs = refs((0, 20), (23, 800), (803, 1560))
+    spec = BlendPlanner.plan(1584, segs, [20, 777, 757], exact_hit=0)
+    assert spec is not None
+    assert BlendPlanner.choose(1584, 0, spec, 1536).result_hit == 1536  # a repeat: load, do not blend
+    assert BlendPlanner.choose(1584, 0, spec, 256).blend == spec  # a short result: the blend is cheaper
+    assert BlendPlanner.choose(1584, 0, None, 1536).result_hit == 1536  # documents evicted since
+    assert BlendPlanner.choose(1584, 1400, None, 1536) is None  # exact KV unless clearly slower
+    assert BlendPlanner.choose(1584, 1280, None, 1536).result_hit == 1536
+    assert BlendPlanner.choose(1584, 1536, spec, 1536) is None or BlendPlanner.choose(1584, 1536, spec, 1536).blend
+    assert BlendPlanner.choose(1584, 0, None, 0) is None
+    assert cost.exact(1584, 1584) == 0.0
+
+
+@given(n=st.integers(2, 5000), exact=st.integers(0, 5000), result=st.integers(0, 5000), reused=st.integers(0, 5000))
+@settings(max_examples=300, deadline=None)
+def test_planner_choose_never_takes_blend_results_over_a_longer_exact_hit(n, exact, result, reused):
+    segs = refs((0, 1), (2, n)) if n > 3 else refs((0, n))
+    spec = BlendPlanner.plan(n, segs, [0, reused][: len(segs)], exact) if n > 3 else None
+    choice = BlendPlanner.choose(n, exact, spec, result)
+    if choice is None:
+        return
+    if choice.result_hit:
+        cost = BlendCost()
+        assert choice.blend is None and result > exact
+        assert cost.exact(n, result) <= cost.exact(n, exact) - cost.margin
+        assert spec is None or cost.exact(n, result) <= cost.blend(n, spec.reused_tokens)
+    else:
+        assert choice.blend is spec and spec is not None
+
+
+def test_the_blend_result_key_names_the_ratios_and_check_layers():
+    assert blend_result_key([0.2], [1]) == "blend-result=0.2@1"
+    assert blend_result_key([0.3, 0.15], [1, 4]) == "blend-result=0.3,0.15@1,4"
+    assert blend_result_key([0.2], [1]) != blend_result_key([0.15], [1])
+    planner = BlendPlanner(BlendRules(tuple(SEP)))
+    extras = planner.result_extras({"cache_salt": "t", "extra_keys": ["lora=x"]})
+    assert extras == {"cache_salt": "t", "extra_keys": ["lora=x", "blend-result=0.2@1"]}
+    KeyExtras.build(**extras)  # a valid key extra
 
 
 def test_separator_at_the_end_and_all_documents_reordered(mini, model):

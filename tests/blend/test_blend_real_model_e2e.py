@@ -99,6 +99,8 @@ def test_text_and_chat_prompts_are_blended(served, api):
     qi = QUESTIONS[0]
     q = rag.QUESTIONS[qi]
     order = list(reversed(rag.docs_for(qi, 4)))  # an order the id prompts did not use
+    if api == "chat":  # the text prompt is this chat prompt rendered: another order, or it is a repeat
+        order = order[1:] + order[:1]
     content = rag.SEP_TEXT.join([rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {q.text}"])
     doc_tokens = sum(len(rag.doc_ids(tok, d)) for d in order)
     before = server.metrics()
@@ -119,3 +121,28 @@ def test_text_and_chat_prompts_are_blended(served, api):
     assert delta["reused_tokens"] >= 0.7 * doc_tokens, (delta, doc_tokens)
     assert resp.usage.prompt_tokens_details.cached_tokens == resp.usage.prompt_tokens - 1
     assert answer and answer.strip()
+
+
+def test_a_repeated_chat_prompt_loads_its_blend_and_answers_the_same(served):
+    """The second send of a blended chat prompt loads the first send's KV (a blend result):
+    no second blend, every token but the last cached, and the same answer."""
+    import openai
+
+    server, _ = served
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    q = rag.QUESTIONS[QUESTIONS[1]]
+    order = rag.docs_for(QUESTIONS[1], 4)[::2] + rag.docs_for(QUESTIONS[1], 4)[1::2]
+    content = rag.SEP_TEXT.join([rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {q.text}"])
+    answers, deltas, cached = [], [], []
+    for _ in range(2):
+        before = server.metrics()
+        resp = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": content}], max_tokens=24, temperature=0
+        )
+        after = server.metrics()
+        deltas.append(blend_delta(before, after))
+        cached.append((resp.usage.prompt_tokens_details.cached_tokens, resp.usage.prompt_tokens))
+        answers.append(resp.choices[0].message.content)
+    assert deltas[0]["requests"] == 1 and deltas[1]["requests"] == 0, deltas
+    assert cached[1][0] >= cached[1][1] - 256, cached  # all but the prompt's last, partial chunk at most
+    assert answers[1] == answers[0]

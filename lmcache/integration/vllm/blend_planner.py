@@ -22,6 +22,16 @@ prompt steer the answers of others), and a prompt without a separator is ordinar
 (storing it would keep a second copy of every prompt). Sending a document followed by the
 separator caches it for later blends.
 
+Blend results: a blended prompt's whole KV (approximate from its first reused token on) is
+also stored under keys of its own, the prefix keys with :attr:`BlendRules.result_key` added
+to the request's ``extra_keys`` (the recompute ratios and check layers are part of it). A
+later prompt that may be blended and starts with those chunks loads them like a prefix,
+when that is cheaper than both its exact prefix hit and a new blend (:meth:`BlendPlanner.choose`):
+a repeated blended prompt costs a load, as an exact hit would, and gets the same KV (the same
+answer) as the first time. Blend results are only ever read for prompts that would be blended:
+an exact lookup never sees them (other keys), and whatever is computed after a loaded blend
+result is stored as a blend result too, never as an exact prefix.
+
 Bounds (a prompt is hostile input): segments shorter than ``blend_min_segment_tokens`` are
 neither looked up nor stored (their tokens are recomputed with the prompt's new text), and a
 prompt with more than ``blend_max_segments`` segments is neither blended nor split for
@@ -33,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -45,7 +55,14 @@ from lmcache.v1.token_database import tokens_to_array
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlendCost", "BlendPlanner", "BlendRules"]
+__all__ = ["BlendCost", "BlendOffer", "BlendPlanner", "BlendRules", "blend_result_key"]
+
+
+def blend_result_key(ratios: Sequence[float], layers: Sequence[int]) -> str:
+    """The ``extra_keys`` entry of blend results: blends at other ratios or check layers
+    (another engine sharing the store) compute other approximations. ``lora=`` and ``mm=``
+    entries come from vLLM's request, so no request can name this one."""
+    return "blend-result=" + ",".join(f"{float(r):g}" for r in ratios) + "@" + ",".join(str(int(x)) for x in layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +82,16 @@ class BlendCost:
         """Whether blending (``reused`` tokens) beats the exact prefix path (``exact_hit``)."""
         if num_tokens <= 0:
             return False
-        blend = self.fixed - self.per_reused * reused / num_tokens
-        exact = 1.0 - min(exact_hit, num_tokens) / num_tokens
-        return blend <= exact - self.margin
+        return self.blend(num_tokens, reused) <= self.exact(num_tokens, exact_hit) - self.margin
+
+    def blend(self, num_tokens: int, reused: int) -> float:
+        """A blend reusing ``reused`` of ``num_tokens`` tokens, relative to a full prefill."""
+        return self.fixed - self.per_reused * reused / num_tokens
+
+    @staticmethod
+    def exact(num_tokens: int, hit: int) -> float:
+        """Loading ``hit`` tokens and computing the rest, relative to a full prefill."""
+        return 1.0 - min(hit, num_tokens) / num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +108,17 @@ class BlendRules:
     text: TokenText | None = None
     """The served model's tokenizer facts (None: segments keyed from their first token)."""
     cost: BlendCost = BlendCost()
+    result_key: str = "blend-result=0.2@1"
+    """The ``extra_keys`` entry of blend results (:func:`blend_result_key`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlendOffer:
+    """What a prompt that may be blended gets instead of its exact prefix hit: a new blend,
+    or an earlier blend's result loaded like a prefix (``result_hit`` tokens)."""
+
+    blend: BlendSpec | None = None
+    result_hit: int = 0
 
 
 class BlendPlanner:
@@ -165,6 +200,30 @@ class BlendPlanner:
         if cost is not None and not cost.pays(num_tokens, spec.reused_tokens, exact_hit):
             return None
         return spec
+
+    def result_extras(self, extras: dict[str, Any]) -> dict[str, Any]:
+        """``extras`` (a request's key extras) with the blend-result entry added."""
+        return {**extras, "extra_keys": [*(extras.get("extra_keys") or ()), self.rules.result_key]}
+
+    @staticmethod
+    def choose(
+        num_tokens: int, exact_hit: int, spec: BlendSpec | None, result_hit: int, cost: BlendCost | None = BlendCost()
+    ) -> BlendOffer | None:
+        """The cheapest of the exact prefix path (None), the blend ``spec`` and loading
+        ``result_hit`` tokens of blend results. Blend results are taken over the exact path only
+        when ``cost.margin`` faster (from then on the request's KV is approximate and stored as
+        a blend result, not as an exact prefix). Without ``cost``: the most reused tokens."""
+        if result_hit > exact_hit and num_tokens > 0:
+            if cost is None:
+                better = spec is None or result_hit >= spec.reused_tokens
+            else:  # approximate KV (stored as such from then on) only for a clear gain over exact KV
+                result = cost.exact(num_tokens, result_hit)
+                better = result <= cost.exact(num_tokens, exact_hit) - cost.margin and (
+                    spec is None or result <= cost.blend(num_tokens, spec.reused_tokens)
+                )
+            if better:
+                return BlendOffer(result_hit=result_hit)
+        return BlendOffer(blend=spec) if spec is not None else None
 
     @staticmethod
     def to_store(segments: Sequence[SegmentRef], spec: BlendSpec | None) -> tuple[SegmentRef, ...]:

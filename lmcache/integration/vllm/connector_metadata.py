@@ -107,6 +107,11 @@ class ReqMeta:
     ``blend``: the load is a blend (tokens ``[0, blend.num_tokens)``), not an exact prefix.
     ``segment_saves``: segments whose KV is stored under segment keys after this step's
     forward (the prompt is complete in the paged cache then).
+    ``result_key_extras``: the key extras of blend results (blending on): an earlier
+    blend's approximate KV, kept apart from exact prefixes. ``load_result``: the load reads
+    blend results, not exact prefixes. ``result_save``: tokens stored as blend results
+    after this step's forward (a blended request's KV, which ``save`` never stores past its
+    first reused token).
     """
 
     req_id: str
@@ -120,6 +125,17 @@ class ReqMeta:
     durable: bool = False
     blend: BlendSpec | None = None
     segment_saves: tuple[SegmentRef, ...] = ()
+    result_key_extras: dict[str, Any] | None = None
+    load_result: bool = False
+    result_save: SaveSpec | None = None
+
+    @property
+    def load_key_extras(self) -> dict[str, Any]:
+        """The key extras the load reads (blend results or exact prefixes)."""
+        if self.load_result:
+            assert self.result_key_extras is not None
+            return self.result_key_extras
+        return self.key_extras
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lmcache.integration.vllm.blend_planner import BlendRules
+from lmcache.integration.vllm.blend_planner import BlendRules, blend_result_key
 from lmcache.integration.vllm.blend_text import TokenText
 from lmcache.integration.vllm.kv_groups import KVGroups, WindowRule, read_kv_groups, refuse_unsupported_model
 from lmcache.integration.vllm.pd import Fingerprint, PDPolicy
@@ -334,7 +334,10 @@ def blend_rules(vllm_config: Any, config: LMCacheEngineConfig) -> BlendRules | N
         "lmcache: blending on: separator %r = token ids %s, recompute ratios %s at layers %s, prompts >= %d tokens",
         config.blend_special_str, list(ids), list(config.blend_ratios), list(config.blend_layers), config.blend_min_tokens,
     )  # fmt: skip
-    return BlendRules(ids, config.blend_min_tokens, config.blend_min_segment_tokens, config.blend_max_segments, text)
+    return BlendRules(
+        ids, config.blend_min_tokens, config.blend_min_segment_tokens, config.blend_max_segments, text,
+        result_key=blend_result_key(config.blend_ratios, config.blend_layers),
+    )  # fmt: skip
 
 
 def pd_policy(config: LMCacheEngineConfig, kv_role: str) -> PDPolicy:

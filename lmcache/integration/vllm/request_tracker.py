@@ -110,10 +110,19 @@ class RequestTracker:
     blended: BlendSpec | None = None
     """Blending: the blend loaded for the request's current computation (None: exact KV only)."""
     segments_saved: bool = False
+    result_extras: dict[str, Any] | None = None
+    """Blending: the key extras of this request's blend results (set when it may be blended)."""
+    result_offer: bool = False
+    """Blending: the last lookup offered blend results (loaded in the step after allocation)."""
+    result_loaded: bool = False
+    """Blending: the request's current computation started from loaded blend results."""
 
     @property
     def exact_until(self) -> int | None:
-        """Blending: tokens from here on hold blended (approximate) KV, never stored under prefix keys."""
+        """Blending: tokens from here on hold blended (approximate) KV, never stored under
+        prefix keys (stored as blend results instead). None: exact KV only."""
+        if self.result_loaded:
+            return 0
         return self.blended.first_reused if self.blended is not None else None
 
     def token_ids(self, n: int) -> np.ndarray:
@@ -223,13 +232,19 @@ class RequestPlanner:
             return None  # nothing this short is ever cached
         return list(request.all_token_ids[:n])
 
-    def offer(self, request: Any, num_computed: int, num_hit: int, blend: BlendSpec | None = None) -> int:
+    def offer(
+        self, request: Any, num_computed: int, num_hit: int, blend: BlendSpec | None = None, *, result: bool = False
+    ) -> int:
         """Record a lookup result; returns the external tokens offered to vLLM. With
-        ``blend``, every token before ``blend.num_tokens`` is offered (the worker blends them)."""
+        ``blend``, every token before ``blend.num_tokens`` is offered (the worker blends them);
+        with ``result``, ``num_hit`` tokens of blend results (the request's ``result_extras``)."""
         tracker = self.track(request)
         if tracker is None:
             return 0
+        if result and tracker.result_extras is None:
+            raise ValueError(f"request {tracker.req_id}: blend results offered without their key extras")
         tracker.blend = blend
+        tracker.result_offer = result and blend is None
         if blend is not None:
             tracker.num_hit = blend.num_tokens
             tracker.pending_external = 0
@@ -305,6 +320,7 @@ class RequestPlanner:
         load = None
         external, tracker.pending_external = tracker.pending_external, 0
         blend, tracker.blend = (tracker.blend if external else None), None
+        result, tracker.result_offer = (tracker.result_offer if external else False), False
         if external:
             end = num_computed  # vLLM counts the external tokens as computed already
             load_len = blend.num_tokens if blend is not None else load_length(end, tracker.num_hit, cfg.chunk_size)
@@ -312,8 +328,10 @@ class RequestPlanner:
             if blend is not None and (end - external != 0 or external != blend.num_tokens):
                 raise ValueError(f"vLLM took {external} of the {blend.num_tokens} blended tokens after {end - external}")
             tracker.blended = blend
+            tracker.result_loaded = result
         elif num_computed == 0:
             tracker.blended = None  # computed from scratch (again, after a preemption)
+            tracker.result_loaded = False
         save = None
         if cfg.enable_save:
             save = save_range(
@@ -322,17 +340,24 @@ class RequestPlanner:
         segment_saves = self._segment_saves(tracker, num_computed + num_scheduled)
         if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
+        result_save = None
         if tracker.exact_until is not None:
-            if blend is not None and cfg.enable_save:  # the blend computed the tokens before its first reused one
-                save = SaveSpec(0, tracker.exact_until)  # exactly: they are stored as a prefix (cut below)
+            if blend is not None and cfg.enable_save:  # the blend computed the prompt up to this step
+                save = save_range(0, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail)
             if save is not None:
-                save = self._exact_part(save, tracker.exact_until)
+                result_save = save if tracker.result_extras is not None else None  # all of it, as blend results
+                save = self._exact_part(save, tracker.exact_until)  # the exact part, as a prefix
         live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
         if save is not None and save.skip < live:
             save = self._drop_freed(tracker, save, live)
-        if load is None and save is None and not segment_saves:
+        if load is None and save is None and not segment_saves and result_save is None:
             return
-        n = max(load.load_len if load else 0, save.end if save else 0, tracker.prompt_len if segment_saves else 0)
+        n = max(
+            load.load_len if load else 0,
+            save.end if save else 0,
+            result_save.end if result_save else 0,
+            tracker.prompt_len if segment_saves else 0,
+        )
         slots = slot_mapping(tracker.block_ids, cfg.block_size, n)
         slots[:live] = -1  # blocks vLLM freed (sliding window): ids we saw may hold other requests' KV now
         self.counters["planned_loads"] += load is not None
@@ -342,6 +367,8 @@ class RequestPlanner:
             ReqMeta(
                 tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras,
                 durable=durable, blend=blend, segment_saves=segment_saves,
+                result_key_extras=tracker.result_extras if (result or result_save) else None,
+                load_result=result and load is not None, result_save=result_save,
             )  # fmt: skip
         )
 
@@ -360,6 +387,8 @@ class RequestPlanner:
         if computed_after < tracker.prompt_len:
             return ()
         tracker.segments_saved = True
+        if tracker.result_loaded:  # no segment's KV is its own (the earlier blend stored what was)
+            return ()
         return BlendPlanner.to_store(tracker.segments, tracker.blended)
 
     def _decode_save(self, tracker: RequestTracker, num_computed: int, num_scheduled: int) -> SaveSpec | None:

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.integration.vllm.blend_planner import BlendPlanner, BlendRules
-from lmcache.integration.vllm.connector_metadata import BlendSpec, LMCacheConnectorMetadata
+from lmcache.integration.vllm.blend_planner import BlendOffer, BlendPlanner, BlendRules
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupClient
 from lmcache.integration.vllm.metadata_builder import AdapterSettings
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner, RequestTracker
@@ -205,6 +205,8 @@ class SchedulerConnector:
             "blend_lookups": 0,
             "blend_offers": 0,
             "blend_offered_reused_tokens": 0,
+            "blend_result_offers": 0,
+            "blend_result_offered_tokens": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -242,8 +244,11 @@ class SchedulerConnector:
                 hit = self._wait_for_prefiller(tracker, hit)
                 if hit is None:
                     return None
-            blend = self._plan_blend(request, tracker, num_computed_tokens, hit) if self.blender is not None else None
-            offered = self.planner.offer(request, num_computed_tokens, hit, blend)
+            choice = self._plan_blend(request, tracker, num_computed_tokens, hit) if self.blender is not None else None
+            if choice is not None and choice.result_hit:
+                offered = self.planner.offer(request, num_computed_tokens, choice.result_hit, result=True)
+            else:
+                offered = self.planner.offer(request, num_computed_tokens, hit, choice.blend if choice else None)
             logger.debug(
                 "lmcache: lookup %s: %d of %d tokens cached, %d offered to vLLM",
                 request.request_id, hit, int(getattr(request, "num_tokens", 0)), offered,
@@ -255,9 +260,10 @@ class SchedulerConnector:
         self.counters["offered_tokens"] += offered
         return offered
 
-    def _plan_blend(self, request: Any, tracker: RequestTracker | None, num_computed: int, hit: int) -> BlendSpec | None:
-        """The blend to offer instead of the exact ``hit`` (None: no blend). Splits the prompt
-        into segments once (every prompt: its segments are stored when complete)."""
+    def _plan_blend(self, request: Any, tracker: RequestTracker | None, num_computed: int, hit: int) -> BlendOffer | None:
+        """What to offer instead of the exact ``hit``: a blend or an earlier blend's result
+        (None: the exact path). Splits the prompt into segments once (every prompt: its
+        segments are stored when complete)."""
         blender = self.blender
         assert blender is not None
         if tracker is None or tracker.pd is not None:
@@ -269,12 +275,27 @@ class SchedulerConnector:
         if n != len(prompt) or not blender.eligible(n, num_computed) or len(tracker.segments) < 1:
             return None
         extras = {k: v for k, v in tracker.key_extras.items() if k in KEY_EXTRA_NAMES}
+        if tracker.result_extras is None:
+            tracker.result_extras = blender.result_extras(extras)
         self.counters["blend_lookups"] += 1
         cached = self.lookups.lookup_segments(prompt, [seg.bound for seg in tracker.segments], extras)
         if cached is None:
             self.warn("blend-lookup", "lmcache: segment lookup unavailable (%s); not blending", self.lookups.last_error)
             return None
         spec = blender.plan(n, tracker.segments, cached, hit, blender.rules.cost)
+        result_hit = 0
+        if hit < n - 1:  # an earlier blend of this prompt (or of its beginning)
+            result_hit, _ = self.lookups.lookup_keyed(prompt, tracker.result_extras)
+            result_hit = result_hit or 0
+        choice = blender.choose(n, hit, spec, result_hit, blender.rules.cost)
+        if choice is not None and choice.result_hit:
+            self.counters["blend_result_offers"] += 1
+            self.counters["blend_result_offered_tokens"] += choice.result_hit
+            logger.debug(
+                "lmcache: %s: %d of %d tokens from an earlier blend (exact prefix: %d, a new blend: %d reused)",
+                request.request_id, choice.result_hit, n, hit, spec.reused_tokens if spec else 0,
+            )  # fmt: skip
+            return choice
         if spec is not None:
             self.counters["blend_offers"] += 1
             self.counters["blend_offered_reused_tokens"] += spec.reused_tokens
@@ -282,7 +303,7 @@ class SchedulerConnector:
                 "lmcache: blend %s: %d of %d tokens from %d cached segments (exact prefix: %d)",
                 request.request_id, spec.reused_tokens, n, len(spec.reused), hit,
             )  # fmt: skip
-        return spec
+        return choice
 
     def _pd_poll_later(self, request: Any) -> bool:
         """True when ``request`` waits for a prefiller's KV and was looked up less than

@@ -31,7 +31,10 @@ they are in the remote store (each wait bounded by ``pd_wait_timeout``).
 Blending (``enable_blending``, :mod:`.blend_worker`): a load marked ``blend`` is computed,
 not retrieved, in ``start_load_kv`` (both modes): the cached segments are read and the
 selective recompute runs through the served model's layers before the forward; a step's
-``segment_saves`` are stored under segment keys at the end of ``wait_for_save``.
+``segment_saves`` are stored under segment keys at the end of ``wait_for_save``, and its
+``result_save`` (a blended prompt's approximate KV) under the blend-result keys
+(``result_key_extras``), whole, after the step's other stores. A load marked
+``load_result`` reads those keys instead of the exact prefix's.
 
 Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
 promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
@@ -56,7 +59,7 @@ import numpy as np
 import torch
 
 from lmcache.integration.vllm.blend_worker import BlendRunner
-from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, SaveSpec
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.layer_order import ordered_layers
 from lmcache.integration.vllm.request_inputs import blocks_of_tokens
@@ -223,7 +226,7 @@ class WorkerConnector:
         self._close_generators()
         self._reqs = list(metadata.requests) if isinstance(metadata, LMCacheConnectorMetadata) else []
         if not self.saves:
-            self._reqs = [replace(r, save=None, segment_saves=()) for r in self._reqs]
+            self._reqs = [replace(r, save=None, segment_saves=(), result_save=None) for r in self._reqs]
         self._failed = set()
         for req in self._reqs:
             if req.invalid_block_ids:
@@ -287,7 +290,11 @@ class WorkerConnector:
         if durable:
             self._make_durable(durable)
         for req in self._reqs:
-            if req.segment_saves and req.req_id not in self._failed:
+            if req.req_id in self._failed:
+                continue
+            if req.result_save is not None:
+                self._store_result(req)
+            if req.segment_saves:
                 self._store_segments(req)
 
     def _make_durable(self, req_ids: list[str]) -> None:
@@ -323,7 +330,7 @@ class WorkerConnector:
         slots = torch.as_tensor(np.array(req.slot_mapping[:n], dtype=np.int64))
         slots[: spec.num_local] = -1  # vLLM's own prefix-cache blocks: never written
         slots[spec.end :] = -1  # computed by this step's forward anyway
-        kwargs = dict(req.key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
+        kwargs = dict(req.load_key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
         return req.token_ids[:n], chunk_mask(n, spec.num_local, self.chunk_size), kwargs
 
     def _load_bulk(self, req: ReqMeta) -> None:
@@ -466,12 +473,29 @@ class WorkerConnector:
         if stored:
             self.engine.stats.add(blend_stored_segment_tokens=stored)
 
+    def _store_result(self, req: ReqMeta) -> None:
+        """Store a blended request's KV under the blend-result keys (no KV events: these are
+        not prefixes any exact lookup can hit)."""
+        spec = req.result_save
+        assert spec is not None and req.result_key_extras is not None
+        try:
+            tokens, mask, kwargs = self._save_args(req, spec, req.result_key_extras)
+            stored = self.engine.store(tokens, mask, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            self.warn("result-save", "lmcache: storing the blend result of %s failed (%s: %s); skipped", req.req_id,
+                      type(exc).__name__, exc)  # fmt: skip
+            return
+        if stored:
+            self.engine.stats.add(blend_stored_result_tokens=stored)
+
     # ------------------------------------------------------------------ saves
-    def _save_args(self, req: ReqMeta) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
-        spec = req.save
+    def _save_args(
+        self, req: ReqMeta, spec: SaveSpec | None = None, extras: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
+        spec = spec or req.save
         assert spec is not None
         slots = torch.as_tensor(np.array(req.slot_mapping[: spec.end], dtype=np.int64))
-        kwargs = dict(req.key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
+        kwargs = dict(req.key_extras if extras is None else extras, kvcaches=self.kvcaches, slot_mapping=slots)
         return req.token_ids[: spec.end], chunk_mask(spec.end, spec.skip, self.chunk_size), kwargs
 
     def _store_whole(self, req: ReqMeta) -> None:
