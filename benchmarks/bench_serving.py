@@ -57,6 +57,9 @@ Usage::
     python benchmarks/bench_serving.py                         # 4 users x 4 rounds, ~1,200-token contexts
     python benchmarks/bench_serving.py --users 8 --rounds 6 --context-tokens 2000
     python benchmarks/bench_serving.py --configs no-cache,lmcache-cpu --json out.json
+    python benchmarks/bench_serving.py --scenario stall    # streamers' ITL while a long prompt loads from Redis
+
+``--scenario stall``: see ``benchmarks/serving_stall.py`` (its flags are listed under "stall scenario").
 """
 
 from __future__ import annotations
@@ -637,6 +640,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-plot", action="store_true", help="skip the plot")
     ap.add_argument("--json", type=Path, help="also write every sample and the table as JSON here")
     ap.add_argument("--keep-workdir", action="store_true", help="keep server logs, lmcache configs and the disk tier")
+    ap.add_argument("--scenario", choices=("rounds", "stall"), default="rounds",
+                    help="rounds: the multi-round set-ups above (default); stall: benchmarks/serving_stall.py")
+    from benchmarks import serving_stall
+
+    serving_stall.add_arguments(ap.add_argument_group("stall scenario"))
     args = ap.parse_args()
     names = args.configs.split(",")
     unknown = [n for n in names if n not in BY_NAME]
@@ -659,6 +667,10 @@ def machine_limit(sizes: Sizes, context_prompt_tokens: int) -> tuple[float, floa
 
 def main() -> int:
     args = parse_args()
+    if args.scenario == "stall":
+        from benchmarks import serving_stall
+
+        return serving_stall.main(args)
     load_start = os.getloadavg()
     print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
           f"({os.cpu_count()} CPUs); the numbers are noisy when other work runs", flush=True)  # fmt: skip

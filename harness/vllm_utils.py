@@ -431,8 +431,28 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
                 with torch.inference_mode():
                     obj.tensor.zero_()
                 obj.ref_count_down()
+    elif action["type"] == "evict_cpu":  # every chunk only in the lower tiers from now on
+        for key in keys:
+            sm.local_cpu.remove(key)
+    elif action["type"] == "stop_after_lookup":  # evict_cpu, then SIGSTOP a process (redis) at the first hit
+        import os
+        import signal
+
+        for key in keys:
+            sm.local_cpu.remove(key)
+        pid, real_lookup = int(action["pid"]), engine.lookup_prefix
+
+        def lookup_then_stop(pk, *a, **kw):
+            hit = real_lookup(pk, *a, **kw)
+            if hit:
+                os.kill(pid, signal.SIGSTOP)
+                engine.lookup_prefix = real_lookup  # type: ignore[method-assign]
+            return hit
+
+        engine.lookup_prefix = lookup_then_stop  # type: ignore[method-assign]
     else:
-        raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get' or 'zero'")
+        raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get', 'zero', 'evict_cpu' "
+                         "or 'stop_after_lookup'")
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
 
 

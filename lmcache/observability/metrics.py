@@ -247,6 +247,12 @@ METRICS: tuple[MetricDef, ...] = (
         "Tokens stored under segment keys (documents for later blends).",
         "blend_stored_segment_tokens",
     ),
+    _c("lmcache_async_loads", "Hits loaded asynchronously while other requests ran.", "async_loads"),
+    _c(
+        "lmcache_async_load_timeouts",
+        "Asynchronous loads past async_load_timeout (what the CPU tier did not hold was recomputed).",
+        "async_load_timeouts",
+    ),
     _c(
         "lmcache_blend_stored_result_tokens",
         "Tokens of blended prompts stored as blend results (reused when the prompt is sent again).",
@@ -274,6 +280,8 @@ HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
     ("retrieve", "lmcache_retrieve_seconds", "Seconds per load (bulk mode): tier reads and copy into vLLM's KV."),
     ("lookup", "lmcache_lookup_seconds", "Seconds per lookup in the worker that holds the cache."),
     ("blend", "lmcache_blend_seconds", "Seconds per blend: segment reads, re-rotation and the selective recompute."),
+    ("async_load", "lmcache_async_load_seconds",
+     "Seconds a request waited for its asynchronous load: prefetch into the CPU tier and copy."),
 )
 
 

@@ -343,6 +343,16 @@ class LMCacheEngine:
         tiers = self._tiers(search_range)
         return self._lookup_prefix(pk, pin, tiers, check_lookup_id(lookup_id))
 
+    def resident_prefix(self, pk: PrefixKeys, end: int) -> int:
+        """Leading tokens, up to ``end``, whose whole chunks the CPU tier (L1) holds now: an
+        in-memory probe under one lock, never I/O, not counted as a lookup."""
+        if not isinstance(pk, PrefixKeys) or pk.chunk_size != self.token_database.chunk_size:
+            raise TypeError(f"pk={type(pk).__name__}: expected PrefixKeys from this engine's prefix_keys")
+        end = max(0, min(int(end), pk.num_tokens))
+        flags = self.storage_manager.resident_flags(pk.keys[: -(-end // pk.chunk_size)])
+        held = next((i for i, f in enumerate(flags) if not f), len(flags))
+        return min(pk.end(held), end)
+
     def _tiers(self, search_range: object) -> frozenset[str] | None:
         """``search_range`` validated against the storage manager's tier names (None: all)."""
         if search_range is None:

@@ -273,6 +273,9 @@ _PARSERS = {
     "pd_wait_timeout": _as_float,
     "pd_secret": _as_secret,
     "pd_max_waiting": _as_int,
+    "enable_async_loading": _as_bool,
+    "async_load_timeout": _as_float,
+    "async_max_loads": _as_int,
     "enable_blending": _as_bool,
     "blend_special_str": _as_separator,
     "blend_recompute_ratios": _as_float_list,
@@ -368,6 +371,16 @@ class LMCacheEngineConfig:
     decoder honours ``do_remote_prefill`` only with parameters the proxy signed with it
     (:mod:`lmcache.pd.signing`). Required on a decoder."""
     pd_max_waiting: int = 64
+    enable_async_loading: bool = False
+    """vLLM adapter (``LMCacheConnectorV1Dynamic``): a hit that is not all in the CPU tier is
+    loaded while the request waits and other requests run (docs/async_loading.md): its disk
+    or remote chunks are read into the CPU tier in the background, then copied into vLLM's
+    blocks in one step. Off: every hit is loaded in the step that computes the request."""
+    async_load_timeout: float = 10.0
+    """Seconds an asynchronous load may take; what is not in the CPU tier by then is
+    recomputed by vLLM (a frozen or lost remote tier never holds a request longer)."""
+    async_max_loads: int = 16
+    """Asynchronous loads in flight per engine; further hits are loaded synchronously."""
     """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
     at once (counted as ``pd_wait_refused``)."""
     enable_blending: bool = False
@@ -538,6 +551,7 @@ class LMCacheEngineConfig:
                 "when enable_hidden_state_cache is true"
             )
         self._validate_pd()
+        self._validate_async()
         self._validate_blend()
 
     @property
@@ -577,6 +591,12 @@ class LMCacheEngineConfig:
             )
         if self.blend_thresholds is not None and self.enable_blending:
             warn_once_unused_thresholds(self.blend_thresholds)
+
+    def _validate_async(self) -> None:
+        if not (self.async_load_timeout > 0 and math.isfinite(self.async_load_timeout)):
+            raise ConfigError(f"async_load_timeout={self.async_load_timeout!r}: expected seconds > 0")
+        if self.async_max_loads < 1:
+            raise ConfigError(f"async_max_loads={self.async_max_loads!r}: expected an integer >= 1")
 
     def _validate_pd(self) -> None:
         if self.pd_wait_timeout <= 0:

@@ -118,8 +118,10 @@ LMCACHE_056_KEYS: tuple[LMCacheKey, ...] = (
     LMCacheKey("py_enable_gc", True, UNSUPPORTED, "lmcache never changes the garbage collector"),
     LMCacheKey("cache_policy", "LRU", SUPPORTED, "LRU, FIFO, LFU or MRU"),
     LMCacheKey("numa_mode", None, UNSUPPORTED, "no NUMA binding; start the process under `numactl` if needed"),
-    LMCacheKey("enable_async_loading", False, UNSUPPORTED,
-               "loads are synchronous per request; lower tiers are read in parallel"),
+    LMCacheKey("enable_async_loading", False, SUPPORTED,
+               "with `LMCacheConnectorV1Dynamic`: hits not all in the CPU tier load while other requests run "
+               "(`async_load_timeout`, `async_max_loads`); vLLM's built-in `LMCacheConnectorV1` always loads "
+               "synchronously"),
     LMCacheKey("internal_api_server_enabled", False, UNSUPPORTED, _API),
     LMCacheKey("internal_api_server_port_start", 6999, UNSUPPORTED, _API),
     LMCacheKey("priority_limit", None, UNSUPPORTED, "every request may store; there are no priorities"),

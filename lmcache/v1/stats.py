@@ -70,6 +70,10 @@ class CacheStats(Counters):
     """Tokens stored under segment keys (documents for later blends)."""
     blend_stored_result_tokens: int = 0
     """Tokens of blended prompts stored as blend results (for the same prompt sent again)."""
+    async_loads: int = 0
+    """Hits loaded asynchronously (prefetched into the CPU tier while other requests ran)."""
+    async_load_timeouts: int = 0
+    """Asynchronous loads not prefetched within ``async_load_timeout`` (the rest recomputed)."""
     evictions: int = 0
     load_errors: int = 0
     corrupt_entries: int = 0

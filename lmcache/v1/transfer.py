@@ -64,7 +64,9 @@ class TransferContext:
     connector: KVConnector | None
     blocks: BlockReuse | None
     latency: dict[str, LatencyHistogram] = field(
-        default_factory=lambda: {op: LatencyHistogram() for op in ("store", "retrieve", "lookup", "blend")}
+        default_factory=lambda: {
+            op: LatencyHistogram() for op in ("store", "retrieve", "lookup", "blend", "async_load")
+        }
     )
     """Seconds per bulk ``store``/``retrieve`` and per ``lookup`` (layerwise calls are
     not timed: their generators span the model's forward pass)."""

@@ -112,6 +112,9 @@ class ReqMeta:
     blend results, not exact prefixes. ``result_save``: tokens stored as blend results
     after this step's forward (a blended request's KV, which ``save`` never stores past its
     first reused token).
+    ``load_async``: the request waits in vLLM while its hit is prefetched into the CPU tier and
+    then copied (``enable_async_loading``, :mod:`.async_loads`); the worker reports it in
+    ``get_finished``. It is not part of this step's forward.
     """
 
     req_id: str
@@ -128,6 +131,7 @@ class ReqMeta:
     result_key_extras: dict[str, Any] | None = None
     load_result: bool = False
     result_save: SaveSpec | None = None
+    load_async: bool = False
 
     @property
     def load_key_extras(self) -> dict[str, Any]:

@@ -222,10 +222,11 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._impl.get_num_new_matched_tokens(request, num_computed_tokens), False
+        return self._impl.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._impl.update_state_after_alloc(request, num_external_tokens)
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens and blocks is not None else None
+        self._impl.update_state_after_alloc(request, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._impl.build_connector_meta(scheduler_output)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -116,6 +116,12 @@ class RequestTracker:
     """Blending: the last lookup offered blend results (loaded in the step after allocation)."""
     result_loaded: bool = False
     """Blending: the request's current computation started from loaded blend results."""
+    offered_after: int = 0
+    """vLLM's own computed tokens when the last lookup's hit was offered (the load starts there)."""
+    async_offer: bool = False
+    """The last lookup's hit is to be loaded asynchronously (``enable_async_loading``)."""
+    async_load: LoadSpec | None = None
+    """An asynchronous load vLLM accepted, for the next connector metadata."""
 
     @property
     def exact_until(self) -> int | None:
@@ -162,6 +168,10 @@ class RequestPlanner:
         self.warn = failure_logger(logger)
         self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
                          "pd_refused": 0}
+        self._async_new: dict[str, RequestTracker] = {}
+        """Requests whose asynchronous load vLLM accepted (:meth:`on_alloc`), for :meth:`build`:
+        kept even if the request finishes first (vLLM frees its blocks only once the worker
+        reports the load settled, so the worker must hear of it)."""
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
 
     @property
@@ -245,6 +255,8 @@ class RequestPlanner:
             raise ValueError(f"request {tracker.req_id}: blend results offered without their key extras")
         tracker.blend = blend
         tracker.result_offer = result and blend is None
+        tracker.offered_after = num_computed
+        tracker.async_offer = False
         if blend is not None:
             tracker.num_hit = blend.num_tokens
             tracker.pending_external = 0
@@ -259,16 +271,34 @@ class RequestPlanner:
         tracker.pending_external = 0
         return external_tokens(n, num_computed, num_hit)
 
-    def on_alloc(self, request: Any, num_external: int) -> None:
-        """vLLM allocated blocks and uses ``num_external`` of the offered tokens."""
+    def on_alloc(self, request: Any, num_external: int, block_ids: Sequence[int] | None = None) -> bool:
+        """vLLM allocated blocks and uses ``num_external`` of the offered tokens. An
+        asynchronous offer (``block_ids``: the request's blocks, as vLLM's scheduler passes
+        them) becomes a load in the next connector metadata; returns whether it did."""
         tracker = self.track(request)
-        if tracker is not None:
-            tracker.pending_external = max(0, int(num_external))
+        if tracker is None:
+            return False
+        num_external = max(0, int(num_external))
+        if not (tracker.async_offer and num_external and block_ids is not None):
+            tracker.async_offer = False
+            tracker.pending_external = num_external
+            return False
+        end = tracker.offered_after + num_external
+        tracker.async_load = LoadSpec(
+            tracker.offered_after, num_external, load_length(end, tracker.num_hit, self.config.chunk_size)
+        )
+        tracker.block_ids = list(block_ids)
+        tracker.pending_external = 0
+        tracker.blended = None
+        tracker.result_loaded, tracker.result_offer = tracker.result_offer, False
+        self._async_new[tracker.req_id] = tracker
+        return True
 
     # --------------------------------------------------------------- per step
     def build(self, scheduler_output: Any) -> list[ReqMeta]:
-        """Specs of every scheduled request that loads or saves this step."""
-        out: list[ReqMeta] = []
+        """Specs of every scheduled request that loads or saves this step, and of the
+        asynchronous loads vLLM accepted since the last call (their requests wait)."""
+        out: list[ReqMeta] = self._async_loads()
         num_sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
@@ -289,6 +319,31 @@ class RequestPlanner:
             elif new_blocks:
                 tracker.block_ids.extend(new_blocks[0])
             self._plan_safely(tracker, cached.num_computed_tokens[i], num_sched.get(req_id, 0), out)
+        return out
+
+    def _async_loads(self) -> list[ReqMeta]:
+        out = []
+        new, self._async_new = self._async_new, {}
+        for req_id, tracker in new.items():
+            load = tracker.async_load
+            if load is None:
+                continue
+            tracker.async_load = None
+            bs = self.config.block_size
+            try:
+                out.append(ReqMeta(
+                    req_id, tracker.token_ids(load.load_len),
+                    slot_mapping(tracker.block_ids, bs, max(load.load_len, load.end)), bs, load,
+                    key_extras=tracker.key_extras, load_async=True, load_result=tracker.result_loaded,
+                    result_key_extras=tracker.result_extras if tracker.result_loaded else None,
+                ))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - vLLM waits for this request: fail it, never drop it
+                self.warn("plan", "lmcache: planning the asynchronous load of %s failed (%s: %s); recomputing",
+                          req_id, type(exc).__name__, exc)  # fmt: skip
+                blocks = tuple(tracker.block_ids[load.num_local // bs : -(-load.end // bs)])
+                empty = np.zeros(0, dtype=np.int32)
+                out.append(ReqMeta(req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks, load_async=True))
+            self.counters["planned_loads"] += 1
         return out
 
     def _plan_safely(self, tracker: RequestTracker, num_computed: int, num_scheduled: int, out: list[ReqMeta]) -> None:

@@ -50,6 +50,15 @@ PD_IDLE_PAUSE_SECONDS = 0.002
 while requests wait for a prefiller's KV (vLLM's engine loop asks again at once)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Match:
+    """What a lookup offers vLLM: ``tokens`` to skip (None: ask again later) and whether
+    they are loaded asynchronously (the request waits while others run)."""
+
+    tokens: int | None
+    load_async: bool = False
+
+
 @dataclass(slots=True)
 class LookupMemo:
     """Chunk keys of one request's tokens, per in-process engine (scheduler thread only)."""
@@ -112,6 +121,14 @@ class LookupDispatcher:
             self._client = LookupClient(self.paths, timeout=self.timeout)
         self.used_socket = True
         return self._client.lookup(tokens, extras), None
+
+    def resident(self, tokens: list[int], extras: dict[str, Any], end: int) -> int | None:
+        """Leading tokens, up to ``end``, that every rank's CPU tier holds; None when unknown
+        (the workers answer over sockets: no residency in the protocol)."""
+        engines = self._engines()
+        if engines is None:
+            return None
+        return min(e.resident_prefix(e.prefix_keys(tokens, **extras), end) for e in engines)
 
     def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int, bytes]],
                         extras: dict[str, Any]) -> list[int] | None:  # fmt: skip
@@ -182,6 +199,8 @@ class SchedulerConnector:
         self.fingerprint = settings.fingerprint
         self.lookups = lookups if lookups is not None else LookupDispatcher(settings)
         self._memos: dict[str, LookupMemo] = {}
+        self._async: set[str] = set()
+        """Requests waiting in vLLM for their asynchronous load (at most ``async_max_loads``)."""
         self._pd_waiting: set[str] = set()
         """Requests waiting for a prefiller's KV (at most ``pd_max_waiting``)."""
         self._step_idle = True
@@ -207,6 +226,7 @@ class SchedulerConnector:
             "blend_offered_reused_tokens": 0,
             "blend_result_offers": 0,
             "blend_result_offered_tokens": 0,
+            "async_loads": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -219,8 +239,45 @@ class SchedulerConnector:
         return {f"scheduler_{k}": int(v) for k, v in merged.items()}
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
-        """External tokens vLLM may load for ``request``; None (disaggregated decode only):
-        the announced KV has not arrived yet, ask again later."""
+        """External tokens vLLM may load for ``request``, synchronously; None (disaggregated
+        decode only): the announced KV has not arrived yet, ask again later."""
+        return self.match(request, num_computed_tokens).tokens
+
+    def match(self, request: Any, num_computed_tokens: int, *, allow_async: bool = False) -> Match:
+        """:meth:`get_num_new_matched_tokens`, and whether vLLM is to load them
+        asynchronously (``allow_async``: the caller can report loads in ``get_finished``)."""
+        offered = self._offer(request, num_computed_tokens)
+        if not (allow_async and offered and self._load_async(request, num_computed_tokens, offered)):
+            return Match(offered, False)
+        return Match(offered, True)
+
+    def _load_async(self, request: Any, num_computed: int, offered: int) -> bool:
+        """Whether ``offered`` tokens after ``num_computed`` are worth an asynchronous load:
+        some are outside the CPU tier (a CPU-tier hit is one memcpy: loaded in the step),
+        the request is a plain one (not blended, no disaggregated prefill), and fewer than
+        ``async_max_loads`` are in flight. Marks the tracker's offer asynchronous."""
+        cfg = self.settings.config
+        tracker = self.planner.get(request.request_id)
+        if not cfg.enable_async_loading or tracker is None or tracker.pd is not None or tracker.blend is not None:
+            return False
+        if self.planner.config.window is not None or len(self._async) >= cfg.async_max_loads:
+            return False
+        try:
+            extras = tracker.result_extras if tracker.result_offer else tracker.key_extras
+            allowed = {k: v for k, v in (extras or {}).items() if k in KEY_EXTRA_NAMES}
+            end = num_computed + offered
+            resident = self.lookups.resident(list(request.all_token_ids[:end]), allowed, end)
+        except Exception as exc:  # noqa: BLE001 - unknown residency: load in the step
+            self.warn("async-probe", "lmcache: CPU-tier probe failed (%s: %s); loading synchronously",
+                      type(exc).__name__, exc)  # fmt: skip
+            return False
+        whole = end - end % self.planner.config.chunk_size  # a block-granular tail counts as resident
+        if resident is None or resident >= whole:
+            return False
+        tracker.async_offer = True
+        return True
+
+    def _offer(self, request: Any, num_computed_tokens: int) -> int | None:
         try:
             if self._pd_poll_later(request):
                 return None
@@ -409,9 +466,13 @@ class SchedulerConnector:
             del self._memos[next(iter(self._memos))]
         self._memos[request.request_id] = LookupMemo(prompt, n, tail, keys)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
+        """vLLM allocated ``request``'s blocks (``block_ids``: its first KV group's block ids,
+        given by the Dynamic connector; needed for an asynchronous load)."""
         try:
-            self.planner.on_alloc(request, num_external_tokens)
+            if self.planner.on_alloc(request, num_external_tokens, block_ids):
+                self._async.add(request.request_id)
+                self.counters["async_loads"] += 1
             self.counters["accepted_tokens"] += max(0, int(num_external_tokens))
         except Exception as exc:  # noqa: BLE001
             self.warn("alloc", "lmcache: tracking request failed (%s: %s)", type(exc).__name__, exc)
@@ -419,6 +480,8 @@ class SchedulerConnector:
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
         self._step_idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 0)
         self._paused = False
+        if self._async:  # a request scheduled again has its KV: its asynchronous load is over
+            self._async.difference_update(r.req_id for r in scheduler_output.scheduled_new_reqs)
         try:
             return LMCacheConnectorMetadata(self.planner.build(scheduler_output))
         except Exception as exc:  # noqa: BLE001
@@ -442,6 +505,7 @@ class SchedulerConnector:
         self.planner.finish(request.request_id)
         self._memos.pop(request.request_id, None)
         self._pd_waiting.discard(request.request_id)
+        self._async.discard(request.request_id)
         return False, params
 
     def close(self) -> None:

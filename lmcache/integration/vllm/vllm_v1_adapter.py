@@ -324,14 +324,21 @@ class LMCacheConnectorV1Impl:
             self.warn("save", "lmcache: save failed (%s: %s)", type(exc).__name__, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads and saves are synchronous: nothing is ever pending. (Called once per
-        step: the multiprocess metrics route exports here.)"""
+        """(None, the asynchronous loads settled this step): saves are synchronous, loads
+        are unless ``enable_async_loading`` (:mod:`.async_loads`). Called once per step, with
+        or without a forward; the multiprocess metrics route exports here too."""
+        recving: set[str] = set()
+        if self.worker is not None:
+            try:
+                recving = self.worker.finish_async()
+            except Exception as exc:  # noqa: BLE001 - never crash the step
+                self.warn("async", "lmcache: finishing asynchronous loads failed (%s: %s)", type(exc).__name__, exc)
         if self._exporter is not None:
             try:
                 self._exporter.step()
             except Exception as exc:  # noqa: BLE001
                 self.warn("metrics", "lmcache metrics: export failed (%s: %s)", type(exc).__name__, exc)
-        return None, None
+        return None, (recving or None)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """This worker's metrics payload since the last call (route a), or None; on the
@@ -371,9 +378,18 @@ class LMCacheConnectorV1Impl:
             return 0
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``(tokens, load_kv_async)`` (the Dynamic connector: asynchronous loads
+        allowed, reported in :meth:`get_finished`)."""
+        if self.scheduler is None:
+            return 0, False
+        m = self.scheduler.match(request, num_computed_tokens, allow_async=True)
+        return m.tokens, m.load_async
+
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
+        """``block_ids``: the request's first KV group's block ids (the Dynamic connector)."""
         if self.scheduler is not None:
-            self.scheduler.update_state_after_alloc(request, num_external_tokens)
+            self.scheduler.update_state_after_alloc(request, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheConnectorMetadata:
         if self.scheduler is None:
@@ -399,6 +415,8 @@ class LMCacheConnectorV1Impl:
             self._server.close()
         if self._admin is not None:
             self._admin.close()
+        if self.worker is not None:
+            self.worker.close_async()
         if self.scheduler is not None:
             self.scheduler.close()
         if self.engine is not None:

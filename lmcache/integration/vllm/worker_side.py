@@ -50,6 +50,7 @@ released by the engine.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -59,7 +60,8 @@ import numpy as np
 import torch
 
 from lmcache.integration.vllm.blend_worker import BlendRunner
-from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, ReqMeta, SaveSpec
+from lmcache.integration.vllm.async_loads import AsyncLoads, PendingLoad
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.layer_order import ordered_layers
 from lmcache.integration.vllm.request_inputs import blocks_of_tokens
@@ -156,6 +158,11 @@ class WorkerConnector:
         self.warn = failure_logger(logger)
         self.events: Any = None
         """A :class:`~.kv_events.KVEventRecorder` when vLLM publishes KV events."""
+        cfg = engine.config
+        self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if cfg.enable_async_loading else None
+        """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
+        self._async_done: set[str] = set()
+        """Asynchronous loads settled outside :meth:`finish_async` (failed at once), to report."""
 
     def _describe(self, req: ReqMeta, n: int) -> None:
         """Describe the first ``n`` tokens' chunks to the KV-event recorder (if any)."""
@@ -232,6 +239,8 @@ class WorkerConnector:
             if req.invalid_block_ids:
                 self._load_errors.update(req.invalid_block_ids)
                 self._failed.add(req.req_id)
+                if req.load_async:  # vLLM waits for it: report it settled (failed)
+                    self._async_done.add(req.req_id)
 
     def _usable(self) -> bool:
         return self.enabled and self.kvcaches is not None
@@ -249,11 +258,77 @@ class WorkerConnector:
                     "lmcache: cache unusable on this worker; recomputing %s",
                     req.req_id,
                 )
+                if req.load_async:
+                    self._async_done.add(req.req_id)
             return
         for req in loads:
             if req.blend is not None:
                 self._blend(req)
-        self.steps.start_loads(self, [r for r in loads if r.blend is None])
+            elif req.load_async:
+                self._start_async(req)
+        self.steps.start_loads(self, [r for r in loads if r.blend is None and not r.load_async])
+
+    # ------------------------------------------------------------------ asynchronous loads
+    def _start_async(self, req: ReqMeta) -> None:
+        """Prefetch ``req``'s hit in the background (the request waits in vLLM meanwhile)."""
+        if self.async_loads is None:  # scheduler and worker disagree: load now, report it done
+            self._load_bulk(req)
+            self._async_done.add(req.req_id)
+            return
+        self.async_loads.start(req)
+        self.engine.stats.add(async_loads=1)
+
+    def finish_async(self) -> set[str]:
+        """vLLM's worker thread, once per step (``get_finished``): copy the asynchronous loads
+        that are ready (prefetched, or past ``async_load_timeout``) into their blocks. Returns
+        the ids of every asynchronous load settled since the last call (loaded or failed: a
+        failure's blocks are among :meth:`take_load_errors`)."""
+        done, self._async_done = self._async_done, set()
+        if self.async_loads is None or not len(self.async_loads):
+            return done
+        for pending in self.async_loads.ready():
+            done.add(pending.req.req_id)  # reported whatever happens: vLLM holds the request until then
+            try:
+                self._copy_async(pending)
+            except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
+                self._fail_load(pending.req, exc)
+            finally:
+                pending.release()
+        return done
+
+    def _copy_async(self, pending: PendingLoad) -> None:
+        req = pending.req
+        spec = req.load
+        assert spec is not None
+        self.engine.latency["async_load"].observe(time.monotonic() - pending.started)
+        if not self._usable():
+            self._fail(req, spec.num_local, "disabled", "lmcache: cache unusable on this worker; recomputing %s",
+                       req.req_id)  # fmt: skip
+            return
+        if pending.timed_out:  # only what the CPU tier holds: a frozen tier must not block this step
+            self.engine.stats.add(async_load_timeouts=1)
+            self.warn("async-timeout", "lmcache: asynchronous load of %s not done within async_load_timeout=%s s; "
+                      "loading what the CPU tier holds, recomputing the rest", req.req_id,
+                      self.engine.config.async_load_timeout)  # fmt: skip
+            self.engine.storage_manager.suspect_remote("an asynchronous load was not read within async_load_timeout")
+            held = self._resident_end(req)
+            if held <= spec.num_local:
+                self._fail(req, spec.num_local, "async-miss", "lmcache: nothing of %s's hit in the CPU tier at its "
+                           "deadline; recomputing", req.req_id)  # fmt: skip
+                return
+            req = replace(req, load=LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held)))
+        self._load_bulk(req)
+
+    def _resident_end(self, req: ReqMeta) -> int:
+        """Leading tokens of ``req``'s load whose whole chunks the CPU tier holds now."""
+        assert req.load is not None
+        pk = self.engine.prefix_keys(req.token_ids[: req.load.load_len], **req.load_key_extras)
+        return self.engine.resident_prefix(pk, req.load.load_len)
+
+    def close_async(self) -> None:
+        """Shutting down: drop the pending loads (vLLM is stopping; nothing waits for them)."""
+        if self.async_loads is not None:
+            self.async_loads.close()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._retrievals or layer_name not in self._layer_set:

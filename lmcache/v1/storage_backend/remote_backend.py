@@ -495,6 +495,12 @@ class RemoteBackend(StorageBackend):
         except RemoteError as del_exc:
             self._failed(del_exc, "delete")
 
+    def suspect(self, reason: str) -> None:
+        """A caller saw this tier hang (e.g. an asynchronous load past its deadline): open the
+        breaker as a timed-out call would, so lookups and reads answer "miss" at once until the
+        background PING gets an answer. Any thread; never blocks."""
+        self._trip(RemoteUnavailable(reason))
+
     def _trip(self, exc: RemoteError) -> None:
         if not self.breaker.trip():
             return

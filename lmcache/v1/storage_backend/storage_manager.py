@@ -181,6 +181,13 @@ class StorageManager:
         """The most bytes one :meth:`reserve` can ever book (one slab of the L1 pool)."""
         return self.local_cpu.allocator.slab_bytes
 
+    def suspect_remote(self, reason: str) -> None:
+        """Open the remote tier's breaker (see ``RemoteBackend.suspect``); no-op without one."""
+        for backend in self.lower:
+            suspect = getattr(backend, "suspect", None)
+            if backend.tier == Tier.REMOTE and suspect is not None:
+                suspect(reason)
+
     def resident_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """For each key, whether L1 holds it (one in-memory probe under one lock; never I/O)."""
         return self.local_cpu.resident_flags(keys)

@@ -1,0 +1,764 @@
+"""Serving under load: what streaming users feel while one user's long prompt is loaded from Redis.
+
+``bench_serving.py --scenario stall`` runs this. One vLLM OpenAI server with lmcache
+(``LMCacheConnectorV1Dynamic``, as ``bench_serving``'s ``lmcache-redis`` set-up: a CPU tier
+plus a Redis tier on a ``redis-server`` this script starts on a free port, vLLM's prefix
+caching off, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``) and the real model:
+
+1. the *loader* prompt (``--loader-tokens`` token ids of real text, 4096 by default) is
+   sent once with ``max_tokens`` 1, so its KV is stored in the CPU tier and written
+   through to Redis (the script waits until Redis holds every full chunk of it);
+2. before every measured load the CPU tier is emptied with the admin API's clear (the
+   worker's ``clear`` over its lookup socket: CPU and disk tiers only, Redis keeps its
+   entries), and the admin lookup must show 0 tokens in the CPU tier and the prompt in
+   Redis; after the load, lmcache's ``lmcache_hit_tokens_total{tier}`` counters (the
+   server's ``/metrics``) must have grown in ``remote`` only: the load came from Redis;
+3. *baseline*: ``--streamers`` users (4) each stream a chat answer (``--stream-tokens``
+   128, ``ignore_eos``, greedy, short prompts of different content) at the same time;
+   every inter-token gap (time between successive content chunks) is recorded;
+4. *loaded*: the same, and once every streamer has produced ``--load-after`` (10) chunks
+   the loader prompt is sent again (its KV now comes from Redis); recorded: the
+   streamers' gaps overall and within the loader's window (gaps overlapping the time
+   from sending it to its first token), the loader's TTFT;
+5. ``--pairs`` (5) baseline / loaded pairs, alternating; then, for context, the loader
+   alone cold from Redis (``--cold-reps``), warm from the CPU tier (``--warm-reps``),
+   and fresh prompts of the same length that nothing caches (``--fresh-reps``: vLLM
+   computes them).
+
+The machine's limit in the same run: the time raw redis-py takes to ``GET`` the loader's
+own entries from the same ``redis-server`` (one command at a time, best of 3) and numpy's
+memcpy of the same bytes; the loader's TTFTs are printed against them.
+
+Reported per setting: ITL p50 / p99 baseline and loaded (overall and in the load window,
+with its maximum), loaded / baseline of the p99 (target <= 1.3), the loader's TTFT p50
+(under load, alone cold, warm, no cache) and lmcache's retrieve time per load.
+``--async-loading on`` adds ``enable_async_loading: true`` to the lmcache config;
+``both`` runs a fresh server (and Redis) for each setting, off first, and prints them
+side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.openai_server import DYNAMIC, OpenAIServer, metric_value, short_socket_dir
+from harness.real_model import RealModelUnavailable, real_model_dir
+from lmcache.bench.limits import GB, memcpy_gbps
+from lmcache.v1.testing_redis import RedisServer
+from lmcache.v1.tiers import TIERS
+
+GiB = 1 << 30
+TARGET_P99_RATIO = 1.3
+MAX_MODEL_LEN = 8192  # SmolLM2's context
+WARM_UP = "What is the capital of France?"
+TOPICS = (
+    "a lighthouse keeper who finds a message in a bottle",
+    "how bread is baked in a small village bakery",
+    "the migration of birds across a mountain range",
+    "a robot learning to play the violin",
+    "a sailing trip along a rocky coast in winter",
+    "the history of a very old clock tower",
+    "two friends building a treehouse over one summer",
+    "a detective solving a mystery in a train station",
+)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """The stall scenario's own flags (``bench_serving.py`` adds the shared ones: --reserved-cpus,
+    --chunk-size, --block-size, --max-num-batched-tokens, --start-timeout, --json, --keep-workdir)."""
+    group.add_argument("--pairs", type=int, default=5, help="stall: baseline / loaded pairs (default 5)")
+    group.add_argument("--streamers", type=int, default=4, help="stall: concurrent streaming users (default 4)")
+    group.add_argument("--stream-tokens", type=int, default=128, help="stall: tokens per streamed answer (128)")
+    group.add_argument("--load-after", type=int, default=10,
+                       help="stall: send the loader once every streamer has produced this many chunks (10)")
+    group.add_argument("--loader-tokens", type=int, default=4096, help="stall: the loader prompt's tokens (4096)")
+    group.add_argument("--cold-reps", type=int, default=2, help="stall: loader alone, cold from Redis (2)")
+    group.add_argument("--warm-reps", type=int, default=3, help="stall: loader alone, warm in the CPU tier (3)")
+    group.add_argument("--fresh-reps", type=int, default=1,
+                       help="stall: fresh prompts of the loader's length, nothing cached (1; ~20 s each on 2 cores)")
+    group.add_argument("--cpu-tier-gib", type=float, default=1.0, help="stall: lmcache CPU tier GiB (1)")
+    group.add_argument("--settle", type=float, default=1.5,
+                       help="stall: seconds of quiet between measured runs (vLLM's worker spins ~1 s after a step)")
+    group.add_argument("--async-loading", choices=("off", "on", "both"), default="off",
+                       help="stall: enable_async_loading in the lmcache config; both: a server for each, off first")
+
+
+# ------------------------------------------------------------------------------ results
+@dataclass(slots=True)
+class StreamTrace:
+    """One streamer's request: when it was sent and when each content chunk arrived (perf_counter)."""
+
+    user: int
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+    def gaps_within(self, start: float, end: float) -> list[float]:
+        """Gaps whose interval overlaps [start, end]."""
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:]) if b > start and a < end]
+
+
+@dataclass(slots=True)
+class LoaderSend:
+    """One send of a long prompt (``max_tokens`` 1) and what lmcache did for it."""
+
+    kind: str  # "store", "loaded", "cold", "warm", "fresh"
+    sent: float
+    first: float
+    prompt_tokens: int
+    cached_tokens: int
+    cpu_before: int | None = None  # admin lookup: leading tokens in the CPU tier before the send
+    remote_before: int | None = None
+    hits: dict[str, float] = field(default_factory=dict)  # lmcache hit tokens by tier during the send
+    retrieve_ms: float = 0.0  # lmcache's retrieve time in the worker during the send
+    lookup_ms: float = 0.0
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+    def came_from(self, tier: str) -> bool:
+        """Every hit token of this send came from ``tier`` (and there were some)."""
+        return self.hits.get(tier, 0) > 0 and all(v == 0 for t, v in self.hits.items() if t != tier)
+
+
+@dataclass(slots=True)
+class PairResult:
+    baseline: list[float]  # every streamer gap (s)
+    loaded: list[float]
+    window: list[float]  # loaded gaps overlapping the loader's window
+    loader: LoaderSend
+    loaded_before_load: int  # streamers that had reached --load-after chunks when the loader was sent
+
+
+@dataclass(slots=True)
+class Limits:
+    entries: int
+    nbytes: int
+    redis_py_s: float  # raw redis-py GET of the loader's entries, one by one, best of 3
+    socket_s: float  # the same GETs over a plain socket, received into a reused buffer
+    memcpy_gbps: float
+
+    @property
+    def memcpy_s(self) -> float:
+        return self.nbytes / (self.memcpy_gbps * GB)
+
+    @property
+    def floor_s(self) -> float:
+        """Reading the entries from Redis (the faster client) plus copying their bytes once."""
+        return min(self.redis_py_s, self.socket_s) + self.memcpy_s
+
+
+@dataclass(slots=True)
+class SettingResult:
+    name: str
+    async_loading: bool
+    start_s: float
+    store: LoaderSend
+    limits: Limits
+    pairs: list[PairResult] = field(default_factory=list)
+    cold: list[LoaderSend] = field(default_factory=list)
+    warm: list[LoaderSend] = field(default_factory=list)
+    fresh: list[LoaderSend] = field(default_factory=list)
+    load_errors: float = 0.0
+
+
+# ------------------------------------------------------------------------------ prompts
+def token_slices(tokenizer: Any, length: int, count: int) -> list[list[int]]:
+    """``count`` disjoint runs of ``length`` token ids of real text (the license, then the docs)."""
+    from benchmarks.bench_serving import text_sources
+
+    ids: list[int] = []
+    for text in text_sources():
+        ids += tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) >= length * count:
+            return [ids[i * length : (i + 1) * length] for i in range(count)]
+    raise SystemExit(f"not enough text for {count} prompts of {length} tokens (have {len(ids)}); lower --loader-tokens")
+
+
+REQUEST_IDS = itertools.count(1)
+
+
+def streamer_messages(user: int) -> list[dict[str, str]]:
+    """A short story request; the system message numbers every request, so that no block of a
+    streamer's prompt is ever cached (lmcache stores block-aligned tails: the default chat
+    template's system prompt would otherwise hit in the cache, from Redis right after a clear)."""
+    topic = TOPICS[user % len(TOPICS)]
+    return [{"role": "system", "content": f"You are storyteller number {next(REQUEST_IDS)}."},
+            {"role": "user", "content": f"Tell me a long story about {topic}."}]
+
+
+# ------------------------------------------------------------------------------ server
+def lmcache_yaml(args: argparse.Namespace, redis_url: str, socket_dir: Path, async_loading: bool) -> str:
+    lines = [f"chunk_size: {args.chunk_size}", "local_cpu: true", f"max_local_cpu_size: {args.cpu_tier_gib}",
+             "log_summary_interval: 0", f'remote_url: "{redis_url}"', "extra_config:",
+             f"  lookup_socket_dir: {socket_dir}"]  # fmt: skip
+    if async_loading:
+        lines.append("enable_async_loading: true")
+    return "\n".join(lines) + "\n"
+
+
+def make_server(model_dir: Path, workdir: Path, args: argparse.Namespace, redis_url: str, socket_dir: Path,
+                async_loading: bool) -> OpenAIServer:  # fmt: skip
+    cfg = workdir / "lmcache.yaml"
+    cfg.write_text(lmcache_yaml(args, redis_url, socket_dir, async_loading))
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "LMCACHE_CONFIG_FILE": str(cfg)}
+    if args.reserved_cpus >= 0:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
+    extra = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(args.block_size),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-enable-prefix-caching"]  # fmt: skip
+    ktc = {**DYNAMIC, "kv_load_failure_policy": "recompute"}
+    return OpenAIServer(str(model_dir), ktc, workdir / "server.log", env=env, extra_args=extra)
+
+
+class Admin:
+    """lmcache's admin operations (``lmcache admin serve``'s service, called in process) on the one
+    instance of this benchmark: its private socket directory and Redis hold no other."""
+
+    def __init__(self, redis_url: str, socket_dir: Path) -> None:
+        from lmcache.admin.directory import InstanceDirectory
+        from lmcache.admin.remote import RemoteStore
+        from lmcache.admin.service import AdminService
+
+        self.service = AdminService(InstanceDirectory(RemoteStore(redis_url), str(socket_dir)))
+
+    def _instance(self) -> str:
+        found = [i for i in self.service.directory.instances() if i.sockets]
+        if len(found) != 1:
+            raise RuntimeError(f"expected one lmcache instance, found {len(found)}: {self.service.directory.errors}")
+        return found[0].id
+
+    def entry_keys(self, ids: list[int]) -> list[str]:
+        """The Redis keys of the entries of ``ids``' whole chunks (the instance's own key scheme)."""
+        from lmcache.v1.request import KeyExtras
+        from lmcache.v1.storage_backend.remote_backend import entry_key
+
+        records = [i.record for i in self.service.directory.instances() if i.record is not None]
+        if len(records) != 1:
+            raise RuntimeError(f"expected one registered instance, found {len(records)}: "
+                               f"{self.service.directory.errors}")  # fmt: skip
+        record = records[0]
+        db = next(iter(record.key_space.databases()))
+        return [entry_key(record.remote_entry_prefix, k) for k in db.prefix_keys(ids, KeyExtras.build()).keys]
+
+    def clear_local(self) -> None:
+        """Empty the instance's CPU (and disk) tier; Redis keeps its entries."""
+        from lmcache.admin.schemas import ClearBody
+
+        out = self.service.clear(ClearBody(instance=self._instance(), local=True))
+        if out["errors"]:
+            raise RuntimeError(f"admin clear failed: {out['errors']}")
+
+    def tiers(self, ids: list[int]) -> dict[str, int]:
+        """Leading tokens of ``ids`` each tier holds."""
+        from lmcache.admin.schemas import LookupBody
+
+        out = self.service.lookup(LookupBody(instance=self._instance(), tokens=ids))["instances"][0]
+        if out.get("error"):
+            raise RuntimeError(f"admin lookup: {out['error']}")
+        return {k: int(v) for k, v in out["tiers"].items()}
+
+
+def counters(server: OpenAIServer) -> dict[str, float]:
+    text = server.metrics()
+    out = {str(t): metric_value(text, "lmcache_hit_tokens_total", tier=t) for t in TIERS}
+    for op in ("retrieve", "lookup"):
+        out[f"{op}_s"] = metric_value(text, f"lmcache_{op}_seconds_sum")
+    out["load_errors"] = metric_value(text, "lmcache_load_errors_total")
+    out["stored_tokens"] = metric_value(text, "lmcache_stored_tokens_total")
+    return out
+
+
+def counters_after(server: OpenAIServer, before: dict[str, float], want_hits: int) -> dict[str, float]:
+    """Counter deltas since ``before`` once the hits reach ``want_hits`` (they ride on step outputs)."""
+    deadline = time.monotonic() + 15
+    while True:
+        now = counters(server)
+        delta = {k: now[k] - before.get(k, 0.0) for k in now}
+        if sum(delta[str(t)] for t in TIERS) >= want_hits or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.2)  # polling counters another process publishes
+
+
+def wait_for_entries(redis_url: str, keys: list[str], timeout: float = 120.0) -> int:
+    """How many of ``keys`` Redis holds, once it holds all or ``timeout`` passed (writes go through
+    asynchronously)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=30, protocol=2)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            present = sum(bool(client.exists(k)) for k in keys)
+            if present == len(keys) or time.monotonic() > deadline:
+                return present
+            time.sleep(0.2)  # polling another process's writes
+    finally:
+        client.close()
+
+
+def redis_py_get_s(redis_url: str, keys: list[str]) -> tuple[float, int]:
+    """Best of 3 of raw redis-py ``GET`` of ``keys`` one by one; the bytes read."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=30, protocol=2)
+    best, nbytes = float("inf"), 0
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            values = [client.get(k) for k in keys]
+            best = min(best, time.perf_counter() - t0)
+            nbytes = sum(len(v) for v in values if v is not None)
+            del values
+    finally:
+        client.close()
+    return best, nbytes
+
+
+def socket_get_s(port: int, keys: list[str]) -> float:
+    """Best of 3 of ``GET`` of ``keys`` one by one over a plain socket, each value received
+    (``recv_into``) into one reused buffer: what this redis-server can hand over on loopback."""
+    import socket
+
+    buf = bytearray(1 << 20)
+    best = float("inf")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for key in keys:
+                raw = key.encode()
+                sock.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(raw), raw))
+                buf = read_bulk(sock, buf)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bulk(sock: Any, buf: bytearray) -> bytearray:
+    """Receive one RESP bulk string reply into ``buf`` (grown when too small; returned)."""
+    head = b""
+    while not head.endswith(b"\r\n"):
+        head += sock.recv(1)
+    if not head.startswith(b"$") or head.startswith(b"$-1"):
+        raise RuntimeError(f"unexpected Redis reply {head[:40]!r}")
+    need = int(head[1:-2]) + 2
+    if len(buf) < need:
+        buf = bytearray(need)
+    view, got = memoryview(buf), 0
+    while got < need:
+        n = sock.recv_into(view[got:need])
+        if n == 0:
+            raise RuntimeError("Redis closed the connection")
+        got += n
+    return buf
+
+
+def measure_limits(redis: RedisServer, keys: list[str]) -> Limits:
+    """The loader's entries read from Redis (redis-py; a plain socket into a reused buffer) and
+    numpy memcpy of the same bytes (best of 5)."""
+    py_s, nbytes = redis_py_get_s(redis.url, keys)
+    sock_s = socket_get_s(redis.port, keys)
+    gbps = memcpy_gbps(torch.randint(0, 255, (nbytes,), dtype=torch.uint8), reps=5)
+    return Limits(entries=len(keys), nbytes=nbytes, redis_py_s=py_s, socket_s=sock_s, memcpy_gbps=gbps)
+
+
+# ------------------------------------------------------------------------------ requests
+class Progress:
+    """Counts streamers that produced ``need`` chunks (or ended before); :meth:`wait` blocks until all did."""
+
+    def __init__(self, need: int, users: int) -> None:
+        self.need, self.users = need, users
+        self._reached = 0
+        self._ended_early = 0
+        self._cond = threading.Condition()
+
+    def chunk(self, count: int) -> None:
+        if count == self.need:
+            with self._cond:
+                self._reached += 1
+                self._cond.notify_all()
+
+    def end(self, count: int) -> None:
+        if count < self.need:
+            with self._cond:
+                self._ended_early += 1
+                self._cond.notify_all()
+
+    def wait(self, timeout: float) -> int:
+        """Streamers that reached ``need`` chunks, once all reached it or ended."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._reached + self._ended_early >= self.users, timeout)
+            return self._reached
+
+
+def stream_chat(client: Any, model: str, user: int, max_tokens: int, progress: Progress | None) -> StreamTrace:
+    """A streamed greedy chat answer of exactly ``max_tokens`` tokens (``ignore_eos``): every chunk's time."""
+    trace = StreamTrace(user, time.perf_counter())
+    try:
+        stream = client.chat.completions.create(
+            model=model, messages=streamer_messages(user), max_tokens=max_tokens, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for chunk in stream:
+            if any(c.delta.content for c in chunk.choices):
+                trace.chunks.append(time.perf_counter())
+                if progress is not None:
+                    progress.chunk(len(trace.chunks))
+    finally:
+        if progress is not None:
+            progress.end(len(trace.chunks))
+    return trace
+
+
+def send_prompt(client: Any, model: str, ids: list[int], kind: str) -> LoaderSend:
+    """A streamed completion of token ids, ``max_tokens`` 1: TTFT is the first chunk carrying a choice."""
+    sent = time.perf_counter()
+    first: float | None = None
+    usage = None
+    stream = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    details = getattr(usage, "prompt_tokens_details", None)
+    return LoaderSend(kind, sent, first if first is not None else time.perf_counter(),
+                      int(getattr(usage, "prompt_tokens", 0) or 0),
+                      int(getattr(details, "cached_tokens", 0) or 0))  # fmt: skip
+
+
+def measured_send(server: OpenAIServer, client: Any, ids: list[int], kind: str) -> LoaderSend:
+    """:func:`send_prompt` alone, with lmcache's counters around it."""
+    before = counters(server)
+    out = send_prompt(client, server.model, ids, kind)
+    record_counters(out, counters_after(server, before, out.cached_tokens))
+    return out
+
+
+def record_counters(send: LoaderSend, delta: dict[str, float]) -> None:
+    send.hits = {str(t): delta[str(t)] for t in TIERS}
+    send.retrieve_ms = delta["retrieve_s"] * 1e3
+    send.lookup_ms = delta["lookup_s"] * 1e3
+
+
+def run_streamers(client: Any, model: str, args: argparse.Namespace, progress: Progress | None,
+                  pool: ThreadPoolExecutor) -> list[Any]:  # fmt: skip
+    return [pool.submit(stream_chat, client, model, u, args.stream_tokens, progress) for u in range(args.streamers)]
+
+
+def baseline_run(client: Any, model: str, args: argparse.Namespace) -> list[float]:
+    with ThreadPoolExecutor(args.streamers) as pool:
+        traces = [f.result() for f in run_streamers(client, model, args, None, pool)]
+    return [g for t in traces for g in t.gaps()]
+
+
+def loaded_run(server: OpenAIServer, client: Any, args: argparse.Namespace, ids: list[int],
+               admin: Admin) -> tuple[list[StreamTrace], LoaderSend, int]:  # fmt: skip
+    """The streamers, and the loader sent once each produced ``--load-after`` chunks (cold: CPU tier emptied)."""
+    tiers = admin.tiers(ids)
+    before = counters(server)
+    progress = Progress(args.load_after, args.streamers)
+    with ThreadPoolExecutor(args.streamers) as pool:
+        futures = run_streamers(client, server.model, args, progress, pool)
+        reached = progress.wait(timeout=600)
+        loader = send_prompt(client, server.model, ids, "loaded")
+        traces = [f.result() for f in futures]
+    loader.cpu_before, loader.remote_before = tiers.get("cpu", 0), tiers.get("remote", 0)
+    record_counters(loader, counters_after(server, before, loader.cached_tokens))
+    return traces, loader, reached
+
+
+def cold_send(server: OpenAIServer, client: Any, ids: list[int], admin: Admin, kind: str) -> LoaderSend:
+    tiers = admin.tiers(ids)
+    out = measured_send(server, client, ids, kind)
+    out.cpu_before, out.remote_before = tiers.get("cpu", 0), tiers.get("remote", 0)
+    return out
+
+
+# ------------------------------------------------------------------------------ one setting
+def run_setting(name: str, async_loading: bool, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
+                root: Path) -> SettingResult:  # fmt: skip
+    import openai
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"stall-{name}-", dir=root))
+    (workdir / "redis").mkdir()
+    socket_dir = short_socket_dir("stall")
+    redis = RedisServer(workdir=workdir / "redis").start()
+    server = make_server(model_dir, workdir, args, redis.url, socket_dir, async_loading)
+    t0 = time.perf_counter()
+    try:
+        server.start(timeout=args.start_timeout)
+        start_s = time.perf_counter() - t0
+        print(f"  [{name}] server up in {start_s:.0f} s (redis {redis.url})", flush=True)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=1800)
+        stream_chat(client, server.model, 0, 4, None)  # first-step costs, not timed
+        admin = Admin(redis.url, socket_dir)
+        result = prepare(name, async_loading, server, client, redis, admin, prompts[0], args, start_s)
+        measure(result, server, client, admin, prompts, args)
+        result.load_errors = counters(server)["load_errors"]
+        return result
+    except Exception:
+        print(f"  [{name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        raise
+    finally:
+        server.stop()
+        redis.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def prepare(name: str, async_loading: bool, server: OpenAIServer, client: Any, redis: RedisServer, admin: Admin,
+            ids: list[int], args: argparse.Namespace, start_s: float) -> SettingResult:  # fmt: skip
+    """Store the loader prompt (computed, written through to Redis) and measure the limits on its entries."""
+    store = measured_send(server, client, ids, "store")
+    keys = admin.entry_keys(ids)
+    present = wait_for_entries(redis.url, keys)
+    if not keys or present < len(keys):
+        raise RuntimeError(f"Redis holds {present} of the loader's {len(keys)} entries after the store")
+    limits = measure_limits(redis, keys)
+    print(f"  [{name}] loader stored: {len(ids)} tokens computed in {store.ttft:.2f} s; Redis holds its "
+          f"{len(keys)} entries, {limits.nbytes / 1e6:.0f} MB; GET one by one: redis-py {limits.redis_py_s * 1e3:.0f} "
+          f"ms ({limits.nbytes / limits.redis_py_s / GB:.2f} GB/s), plain socket {limits.socket_s * 1e3:.0f} ms "
+          f"({limits.nbytes / limits.socket_s / GB:.2f} GB/s); memcpy {limits.memcpy_s * 1e3:.1f} ms "
+          f"({limits.memcpy_gbps:.1f} GB/s)", flush=True)  # fmt: skip
+    return SettingResult(name, async_loading, start_s, store, limits)
+
+
+def measure(result: SettingResult, server: OpenAIServer, client: Any, admin: Admin, prompts: list[list[int]],
+            args: argparse.Namespace) -> None:  # fmt: skip
+    ids = prompts[0]
+    for p in range(args.pairs):
+        admin.clear_local()
+        time.sleep(args.settle)  # let the machine settle between measured runs
+        base = baseline_run(client, server.model, args)
+        time.sleep(args.settle)
+        traces, loader, reached = loaded_run(server, client, args, ids, admin)
+        loaded = [g for t in traces for g in t.gaps()]
+        window = [g for t in traces for g in t.gaps_within(loader.sent, loader.first)]
+        pair = PairResult(base, loaded, window, loader, reached)
+        result.pairs.append(pair)
+        print(f"    pair {p + 1}: {pair_line(pair)}", flush=True)
+        time.sleep(args.settle)
+    for _ in range(args.cold_reps):
+        admin.clear_local()
+        time.sleep(args.settle)
+        result.cold.append(cold_send(server, client, ids, admin, "cold"))
+    for _ in range(args.warm_reps):  # the last cold or loaded send promoted the loader into the CPU tier
+        time.sleep(args.settle)
+        result.warm.append(cold_send(server, client, ids, admin, "warm"))
+    for fresh in prompts[1 : 1 + args.fresh_reps]:
+        time.sleep(args.settle)
+        result.fresh.append(measured_send(server, client, fresh, "fresh"))
+    for kind, sends in (("cold alone", result.cold), ("warm", result.warm), ("no cache", result.fresh)):
+        if sends:
+            print(f"    {kind}: " + "; ".join(send_line(s) for s in sends), flush=True)
+
+
+# ------------------------------------------------------------------------------ statistics
+def pct_ms(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) * 1e3 if values else float("nan")
+
+
+def send_line(s: LoaderSend) -> str:
+    hits = "/".join(f"{s.hits.get(str(t), 0):.0f}" for t in TIERS)
+    where = "" if s.cpu_before is None else f", before: cpu {s.cpu_before} remote {s.remote_before}"
+    return (f"TTFT {s.ttft:.3f} s, cached {s.cached_tokens}/{s.prompt_tokens}, hits cpu/disk/remote {hits}, "
+            f"retrieve {s.retrieve_ms:.0f} ms{where}")  # fmt: skip
+
+
+def cold_ok(s: LoaderSend) -> bool:
+    """The send found nothing in the CPU tier beforehand and loaded every hit from Redis."""
+    return s.cpu_before == 0 and (s.remote_before or 0) > 0 and s.came_from("remote")
+
+
+def pair_line(p: PairResult) -> str:
+    verdict = "cold from Redis" if cold_ok(p.loader) else "NOT cold"
+    return (f"baseline ITL p50 {pct_ms(p.baseline, 50):.1f} p99 {pct_ms(p.baseline, 99):.1f} ms | loaded p50 "
+            f"{pct_ms(p.loaded, 50):.1f} p99 {pct_ms(p.loaded, 99):.1f} ms, window {len(p.window)} gaps max "
+            f"{max(p.window, default=0) * 1e3:.0f} ms | loader {send_line(p.loader)} ({verdict})")  # fmt: skip
+
+
+@dataclass(slots=True)
+class Summary:
+    name: str
+    itl_p50_base_ms: float
+    itl_p99_base_ms: float
+    itl_p50_loaded_ms: float
+    itl_p99_loaded_ms: float
+    p99_ratio: float
+    pair_p99_ratios: list[float]
+    window_p50_ms: float
+    window_p99_ms: float
+    window_max_ms: float
+    window_p99_ratio: float
+    loader_ttft_p50_s: float
+    cold_alone_ttft_p50_s: float
+    warm_ttft_p50_s: float
+    fresh_ttft_p50_s: float
+    retrieve_ms_p50: float
+    cold_loads: str
+    limit_s: float
+
+
+def summarize(r: SettingResult) -> Summary:
+    base = [g for p in r.pairs for g in p.baseline]
+    loaded = [g for p in r.pairs for g in p.loaded]
+    window = [g for p in r.pairs for g in p.window]
+    ratios = [pct_ms(p.loaded, 99) / pct_ms(p.baseline, 99) for p in r.pairs]
+    cold = [p.loader for p in r.pairs]
+    fresh = [s.ttft for s in r.fresh] + [r.store.ttft]
+    med = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
+    return Summary(
+        name=r.name,
+        itl_p50_base_ms=pct_ms(base, 50),
+        itl_p99_base_ms=pct_ms(base, 99),
+        itl_p50_loaded_ms=pct_ms(loaded, 50),
+        itl_p99_loaded_ms=pct_ms(loaded, 99),
+        p99_ratio=pct_ms(loaded, 99) / pct_ms(base, 99),
+        pair_p99_ratios=ratios,
+        window_p50_ms=pct_ms(window, 50),
+        window_p99_ms=pct_ms(window, 99),
+        window_max_ms=max(window, default=float("nan")) * 1e3,
+        window_p99_ratio=pct_ms(window, 99) / pct_ms(base, 99),
+        loader_ttft_p50_s=med([s.ttft for s in cold]),
+        cold_alone_ttft_p50_s=med([s.ttft for s in r.cold]),
+        warm_ttft_p50_s=med([s.ttft for s in r.warm]),
+        fresh_ttft_p50_s=med(fresh),
+        retrieve_ms_p50=med([s.retrieve_ms for s in cold + r.cold]),
+        cold_loads=f"{sum(cold_ok(s) for s in cold + r.cold)}/{len(cold) + len(r.cold)}",
+        limit_s=r.limits.floor_s,
+    )
+
+
+def report_setting(r: SettingResult, s: Summary) -> None:
+    lim = r.limits
+    print(f"\n{r.name} (enable_async_loading {'true' if r.async_loading else 'off'}): {len(r.pairs)} pairs")
+    print(f"  streamers' ITL (ms): baseline p50 {s.itl_p50_base_ms:.1f} p99 {s.itl_p99_base_ms:.1f}; loaded p50 "
+          f"{s.itl_p50_loaded_ms:.1f} p99 {s.itl_p99_loaded_ms:.1f}; loaded / baseline p99 {s.p99_ratio:.2f}x "
+          f"(target <= {TARGET_P99_RATIO}; per pair {', '.join(f'{x:.2f}' for x in s.pair_p99_ratios)})")
+    print(f"  during the load window (send to first token): p50 {s.window_p50_ms:.1f} p99 {s.window_p99_ms:.1f} max "
+          f"{s.window_max_ms:.0f} ms = {s.window_p99_ratio:.2f}x the baseline p99")
+    print(f"  loader TTFT p50: under load {s.loader_ttft_p50_s:.3f} s, alone cold from Redis "
+          f"{s.cold_alone_ttft_p50_s:.3f} s, warm (CPU tier) {s.warm_ttft_p50_s:.3f} s, no cache "
+          f"{s.fresh_ttft_p50_s:.2f} s; lmcache retrieve p50 {s.retrieve_ms_p50:.0f} ms; loads verified cold "
+          f"from Redis {s.cold_loads}")
+    print(f"  machine limit: GET of the loader's {lim.entries} entries ({lim.nbytes / 1e6:.0f} MB) redis-py "
+          f"{lim.redis_py_s * 1e3:.0f} ms / plain socket {lim.socket_s * 1e3:.0f} ms, the faster + memcpy "
+          f"{lim.memcpy_s * 1e3:.1f} ms = {s.limit_s * 1e3:.0f} ms; loader "
+          f"TTFT / limit: under load {s.loader_ttft_p50_s / s.limit_s:.1f}x, alone cold "
+          f"{s.cold_alone_ttft_p50_s / s.limit_s:.1f}x, warm {s.warm_ttft_p50_s / s.limit_s:.1f}x; lmcache retrieve "
+          f"/ limit {s.retrieve_ms_p50 / 1e3 / s.limit_s:.2f}x")
+
+
+def markdown_table(rows: list[Summary]) -> str:
+    head = ("| setting | ITL p50 base / loaded (ms) | ITL p99 base / loaded (ms) | p99 loaded / base | "
+            "load window p99 / max (ms) | loader TTFT under load (s) | alone cold / warm / no cache (s) | "
+            "limit: Redis GET + memcpy (ms) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 8]
+    for s in rows:
+        lines.append(
+            f"| {s.name} | {s.itl_p50_base_ms:.1f} / {s.itl_p50_loaded_ms:.1f} | {s.itl_p99_base_ms:.1f} / "
+            f"{s.itl_p99_loaded_ms:.1f} | {s.p99_ratio:.2f}x | {s.window_p99_ms:.0f} / {s.window_max_ms:.0f} | "
+            f"{s.loader_ttft_p50_s:.3f} | {s.cold_alone_ttft_p50_s:.3f} / {s.warm_ttft_p50_s:.3f} / "
+            f"{s.fresh_ttft_p50_s:.1f} | {s.limit_s * 1e3:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ main
+def settings(choice: str) -> list[tuple[str, bool]]:
+    both = [("async off", False), ("async on", True)]
+    return both if choice == "both" else [both[choice == "on"]]
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    if args.pairs < 1 or args.streamers < 1 or args.load_after < 1:
+        return "--pairs, --streamers and --load-after must be >= 1"
+    if args.stream_tokens <= args.load_after + 1:
+        return "--stream-tokens must exceed --load-after + 1"
+    if not args.chunk_size <= args.loader_tokens <= MAX_MODEL_LEN - 64:
+        return f"--loader-tokens must lie in [--chunk-size, {MAX_MODEL_LEN - 64}]"
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+
+    problem = check_args(args)
+    if problem:
+        print(problem)
+        return 2
+    if shutil.which("redis-server") is None:
+        print("redis-server is not installed (scripts/setup_venv.sh installs it)")
+        return 2
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f} "
+          f"({os.cpu_count()} CPUs); the numbers are noisy when other work runs", flush=True)  # fmt: skip
+    try:
+        model_dir = real_model_dir()
+    except RealModelUnavailable as exc:
+        print(f"the real model (SmolLM2-135M-Instruct) is not available: {exc}")
+        return 2
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = token_slices(tokenizer, args.loader_tokens, 1 + args.fresh_reps)
+    print(f"stall scenario: {args.streamers} streamers x {args.stream_tokens} tokens, loader {args.loader_tokens} "
+          f"tokens after {args.load_after} chunks, {args.pairs} pairs; CPU tier {args.cpu_tier_gib} GiB + Redis, "
+          f"chunk {args.chunk_size}", flush=True)  # fmt: skip
+    results: list[SettingResult] = []
+    root = Path(tempfile.mkdtemp(prefix="lmcache-bench-stall-"))
+    t_all = time.perf_counter()
+    try:
+        for name, on in settings(args.async_loading):
+            t0 = time.perf_counter()
+            try:
+                results.append(run_setting(name, on, model_dir, prompts, args, root))
+            except Exception as exc:  # one broken setting must not lose the other's numbers
+                print(f"  [{name}] FAILED after {time.perf_counter() - t0:.0f} s: {exc!r}", flush=True)
+                continue
+            print(f"  [{name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        if args.keep_workdir:
+            print(f"work directory kept: {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    if not results:
+        print("no setting finished")
+        return 1
+    rows = [summarize(r) for r in results]
+    for r, s in zip(results, rows):
+        report_setting(r, s)
+    print(f"\n{markdown_table(rows)}\n")
+    load_end = os.getloadavg()
+    print(f"load average at start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; total "
+          f"{time.perf_counter() - t_all:.0f} s; lmcache load errors {sum(r.load_errors for r in results):.0f}")
+    for s in rows:
+        ok = s.p99_ratio <= TARGET_P99_RATIO
+        print(f"target ({s.name}): streamers' ITL p99 loaded / baseline <= {TARGET_P99_RATIO}: {s.p99_ratio:.2f}x "
+              f"{'met' if ok else 'NOT met'} (load window p99 {s.window_p99_ratio:.2f}x)")
+    if args.json is not None:
+        payload = {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "load_start": load_start,
+            "load_end": load_end,
+            "results": [asdict(r) for r in results],
+            "summary": [asdict(s) for s in rows],
+        }
+        args.json.write_text(json.dumps(payload, indent=1))
+        print(f"results written to {args.json}")
+    return 0 if len(results) == len(settings(args.async_loading)) else 1

@@ -1,0 +1,152 @@
+"""Asynchronous loads on the worker (``enable_async_loading``): a request's hit is read into
+the CPU tier in the background while vLLM runs other requests, then copied into the
+request's blocks in one step.
+
+The scheduler side offers a hit asynchronously only when some of its chunks are outside the
+CPU tier (disk, remote) and the Dynamic connector is in use (vLLM's built-in route always
+loads synchronously). vLLM then keeps the request waiting for its KV
+(``WAITING_FOR_REMOTE_KVS``) and schedules the others; the load's metadata reaches the
+worker in the step that allocated the request's blocks.
+
+Threads and ownership: :meth:`AsyncLoads.start` and :meth:`AsyncLoads.ready` run on vLLM's
+worker thread. A prefetch runs on this module's own thread pool: it reads the chunks with the
+storage manager's ``batched_get`` (the CPU tier's hits inline, the lower tiers' chunks on
+their reader threads, promoted into the CPU tier) and holds one reference to each object
+until :meth:`PendingLoad.release` (worker thread, after the copy), so the CPU pool's memory
+for in-flight prefetches is bounded by the pool itself. The copy into vLLM's blocks is the
+worker's (``WorkerConnector``): it reads only what the CPU tier holds then, so a remote tier
+that froze mid-prefetch never blocks a step; what is missing is reported as failed blocks
+(vLLM recomputes them).
+
+Deadline: a load whose prefetch is not done ``async_load_timeout`` seconds after it started
+is copied as far as the CPU tier holds it (``timed_out``); the prefetch thread's late
+results only warm the CPU tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache.integration.vllm.connector_metadata import ReqMeta
+from lmcache.log_once import LogOnce
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLoads", "PendingLoad"]
+
+PREFETCH_THREADS = 2
+"""Prefetches run at once (each waits on the tiers' own reader threads)."""
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    """One request's asynchronous load."""
+
+    req: ReqMeta
+    started: float
+    deadline: float
+    future: Future[list[Any]] | None = None
+    timed_out: bool = False
+    held: list[Any] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        """Drop the prefetch's references (worker thread, once the copy is done). A prefetch
+        still running drops its own when it ends."""
+        if self.released:
+            return
+        self.released = True
+        if self.future is not None and self.future.done() and not self.future.cancelled():
+            try:
+                objs = self.future.result()
+            except Exception:  # noqa: BLE001 - a failed prefetch holds nothing
+                objs = []
+            _release(objs)
+        elif self.future is not None:
+            self.future.add_done_callback(_release_when_done)
+
+
+def _release(objs: list[Any]) -> None:
+    for obj in objs:
+        if obj is not None:
+            obj.ref_count_down()
+
+
+def _release_when_done(fut: Future[list[Any]]) -> None:
+    if fut.cancelled():
+        return
+    try:
+        _release(fut.result())
+    except Exception:  # noqa: BLE001 - a failed prefetch holds nothing
+        pass
+
+
+class AsyncLoads:
+    """The worker's asynchronous loads in flight (see the module docstring)."""
+
+    def __init__(self, engine: Any, timeout: float, threads: int = PREFETCH_THREADS) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        self._pending: dict[str, PendingLoad] = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmcache-prefetch")
+        self._log_once = LogOnce(logger)
+        self._closed = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def start(self, req: ReqMeta) -> None:
+        """Begin prefetching ``req``'s load (its chunks into the CPU tier)."""
+        assert req.load is not None
+        now = time.monotonic()
+        pending = PendingLoad(req, now, now + self.timeout)
+        old = self._pending.pop(req.req_id, None)
+        if old is not None:  # vLLM never loads a request twice at once; keep the newest
+            old.release()
+        self._pending[req.req_id] = pending
+        try:
+            keys = self._keys(req)
+            pending.future = self._pool.submit(self._prefetch, keys)
+        except Exception as exc:  # noqa: BLE001 - no prefetch: the copy takes what the CPU tier has
+            self._log_once(logging.WARNING, "prefetch", "lmcache: prefetch of %s not started (%s: %s); loading "
+                           "what the CPU tier holds", req.req_id, type(exc).__name__, exc)  # fmt: skip
+
+    def _keys(self, req: ReqMeta) -> list[Any]:
+        spec = req.load
+        assert spec is not None
+        pk = self.engine.prefix_keys(req.token_ids[: spec.load_len], **req.load_key_extras)
+        first = spec.num_local // pk.chunk_size
+        return list(pk.keys[first:])
+
+    def _prefetch(self, keys: list[Any]) -> list[Any]:
+        """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held)."""
+        if self._closed.is_set():
+            return []
+        return [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
+
+    def ready(self, now: float | None = None) -> list[PendingLoad]:
+        """Loads to copy now (prefetch done, or past the deadline), removed from the pending set."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for req_id, p in list(self._pending.items()):
+            done = p.future is None or p.future.done()
+            if done or now >= p.deadline:
+                p.timed_out = not done
+                out.append(p)
+                del self._pending[req_id]
+        return out
+
+    def close(self) -> list[PendingLoad]:
+        """Stop: the loads still pending (to report as finished, failed), prefetches not waited for."""
+        self._closed.set()
+        left = list(self._pending.values())
+        self._pending.clear()
+        for p in left:
+            p.release()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        return left

