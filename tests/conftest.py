@@ -1,6 +1,8 @@
 """Suite-wide settings and shared fixtures.
 
-Settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLLM.
+Settings: offline Hugging Face, one torch thread, vLLM tests skipped without vLLM, and no
+hypothesis deadline (the suite runs beside vLLM engines under xdist on 2 cores: a 0.4 ms
+example once took 545 ms; a slow example is not a failure, a wrong one is).
 Fixtures every test module may request by name (no import needed): ``redis_server``,
 ``redis_server_factory``, ``redis_cluster`` and ``redis_cluster_module``
 (:mod:`tests.redis_fixtures`), ``remote_manager`` (:mod:`tests.remote_fixtures`) and
@@ -15,10 +17,14 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from harness.vllm_utils import tiny_model_path, vllm_available
 from tests.redis_fixtures import redis_cluster, redis_cluster_module, redis_server, redis_server_factory
 from tests.remote_fixtures import remote_manager
+
+hypothesis_settings.register_profile("lmcache", deadline=None)
+hypothesis_settings.load_profile("lmcache")
 
 
 @pytest.fixture(scope="session")

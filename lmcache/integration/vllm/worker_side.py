@@ -159,7 +159,8 @@ class WorkerConnector:
         self.events: Any = None
         """A :class:`~.kv_events.KVEventRecorder` when vLLM publishes KV events."""
         cfg = engine.config
-        self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if cfg.enable_async_loading else None
+        on = getattr(cfg, "enable_async_loading", False)  # integrators' engines may predate the key
+        self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if on else None
         """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
         self._async_done: set[str] = set()
         """Asynchronous loads settled outside :meth:`finish_async` (failed at once), to report."""
