@@ -52,13 +52,15 @@ def separator(tiny) -> list[int]:
     return AutoTokenizer.from_pretrained(str(tiny)).encode(SEPARATOR, add_special_tokens=False)
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def server(tiny, tmp_path_factory, request):
+    """Blending on; ``async``: with ``enable_async_loading`` (a blend runs while the request waits)."""
     tmp = tmp_path_factory.mktemp("blend-e2e")
     cfg = tmp / "lmcache.yaml"
     cfg.write_text(
         "chunk_size: 64\nmax_local_cpu_size: 0.25\nenable_blending: true\nblend_special_str: \" # # \"\n"
         "blend_recompute_ratios: 0.15\nblend_check_layers: 1\nblend_min_tokens: 256\nlog_summary_interval: 0\n"
+        f"enable_async_loading: {str(request.param).lower()}\n"
     )
     srv = OpenAIServer(
         str(tiny), DYNAMIC, tmp / "server.log",
@@ -103,4 +105,7 @@ def test_reordered_documents_are_reused_through_vllm(server, separator):
         assert reused >= 0.8 * 4 * DOC_TOKENS, (i, reused)
         assert reused + now["recomputed_tokens"] - before["recomputed_tokens"] == len(ids) - 1
         before = now
+    asynchronous = metric_value(server.metrics(), "lmcache_async_loads_total")
+    config = Path(server.env["LMCACHE_CONFIG_FILE"]).read_text()
+    assert asynchronous == (2 if "enable_async_loading: true" in config else 0)
     assert "Traceback" not in server.log()

@@ -21,6 +21,10 @@ that froze mid-prefetch never blocks a step; what is missing is reported as fail
 Deadline: a load whose prefetch is not done ``async_load_timeout`` seconds after it started
 is copied as far as the CPU tier holds it (``timed_out``); the prefetch thread's late
 results only warm the CPU tier.
+
+Blends (:meth:`AsyncLoads.start_blend`) run whole on one blend thread (one at a time), in
+``torch.inference_mode``, writing into the request's blocks (no other request uses them
+while it waits); a blend is reported when it returns (no deadline: it is compute, not I/O).
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from lmcache.integration.vllm.connector_metadata import ReqMeta
 from lmcache.log_once import LogOnce
@@ -50,9 +54,11 @@ class PendingLoad:
     req: ReqMeta
     started: float
     deadline: float
-    future: Future[list[Any]] | None = None
+    future: Future[Any] | None = None
     timed_out: bool = False
-    held: list[Any] = field(default_factory=list)
+    blend: bool = False
+    """A blend computed on the blend thread (``future`` resolves to its outcome; no deadline:
+    it writes into the request's blocks until it returns, so it is reported only then)."""
     released: bool = False
 
     def release(self) -> None:
@@ -61,6 +67,8 @@ class PendingLoad:
         if self.released:
             return
         self.released = True
+        if self.blend:
+            return
         if self.future is not None and self.future.done() and not self.future.cancelled():
             try:
                 objs = self.future.result()
@@ -94,6 +102,8 @@ class AsyncLoads:
         self.timeout = timeout
         self._pending: dict[str, PendingLoad] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lmcache-prefetch")
+        self._blends = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-blend")
+        """Blends run one at a time (each holds two copies of its prompt's KV)."""
         self._log_once = LogOnce(logger)
         self._closed = threading.Event()
 
@@ -116,6 +126,13 @@ class AsyncLoads:
             self._log_once(logging.WARNING, "prefetch", "lmcache: prefetch of %s not started (%s: %s); loading "
                            "what the CPU tier holds", req.req_id, type(exc).__name__, exc)  # fmt: skip
 
+    def start_blend(self, req: ReqMeta, work: Callable[[], Any]) -> None:
+        """Run ``work`` (``req``'s blend, writing into its blocks) on the blend thread."""
+        now = time.monotonic()
+        pending = PendingLoad(req, now, now, blend=True)
+        pending.future = self._blends.submit(work)
+        self._pending[req.req_id] = pending
+
     def _keys(self, req: ReqMeta) -> list[Any]:
         spec = req.load
         assert spec is not None
@@ -135,7 +152,7 @@ class AsyncLoads:
         out = []
         for req_id, p in list(self._pending.items()):
             done = p.future is None or p.future.done()
-            if done or now >= p.deadline:
+            if done or (now >= p.deadline and not p.blend):
                 p.timed_out = not done
                 out.append(p)
                 del self._pending[req_id]
@@ -149,4 +166,5 @@ class AsyncLoads:
         for p in left:
             p.release()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._blends.shutdown(wait=False, cancel_futures=True)
         return left

@@ -122,6 +122,10 @@ class RequestTracker:
     """The last lookup's hit is to be loaded asynchronously (``enable_async_loading``)."""
     async_load: LoadSpec | None = None
     """An asynchronous load vLLM accepted, for the next connector metadata."""
+    async_blend: BlendSpec | None = None
+    """The blend of that load (computed on the worker's blend thread)."""
+    save_blended: bool = False
+    """Blending: an asynchronous blend computed the prompt; its first scheduled step stores it."""
 
     @property
     def exact_until(self) -> int | None:
@@ -284,12 +288,18 @@ class RequestPlanner:
             tracker.pending_external = num_external
             return False
         end = tracker.offered_after + num_external
-        tracker.async_load = LoadSpec(
-            tracker.offered_after, num_external, load_length(end, tracker.num_hit, self.config.chunk_size)
-        )
+        blend, tracker.blend = tracker.blend, None
+        if blend is not None:  # computed into the blocks while the request waits
+            tracker.async_load = LoadSpec(0, num_external, blend.num_tokens)
+            tracker.async_blend = blend
+        else:
+            tracker.async_load = LoadSpec(
+                tracker.offered_after, num_external, load_length(end, tracker.num_hit, self.config.chunk_size)
+            )
         tracker.block_ids = list(block_ids)
         tracker.pending_external = 0
-        tracker.blended = None
+        tracker.blended = blend
+        tracker.save_blended = blend is not None
         tracker.result_loaded, tracker.result_offer = tracker.result_offer, False
         self._async_new[tracker.req_id] = tracker
         return True
@@ -329,17 +339,21 @@ class RequestPlanner:
             if load is None:
                 continue
             tracker.async_load = None
+            blend, tracker.async_blend = tracker.async_blend, None
             bs = self.config.block_size
             try:
+                if blend is not None and (load.num_local != 0 or load.num_external != blend.num_tokens):
+                    raise ValueError(f"vLLM took {load.num_external} of the {blend.num_tokens} blended tokens")
                 out.append(ReqMeta(
                     req_id, tracker.token_ids(load.load_len),
                     slot_mapping(tracker.block_ids, bs, max(load.load_len, load.end)), bs, load,
                     key_extras=tracker.key_extras, load_async=True, load_result=tracker.result_loaded,
-                    result_key_extras=tracker.result_extras if tracker.result_loaded else None,
+                    result_key_extras=tracker.result_extras if tracker.result_loaded else None, blend=blend,
                 ))  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - vLLM waits for this request: fail it, never drop it
                 self.warn("plan", "lmcache: planning the asynchronous load of %s failed (%s: %s); recomputing",
                           req_id, type(exc).__name__, exc)  # fmt: skip
+                tracker.blended, tracker.save_blended = None, False
                 blocks = tuple(tracker.block_ids[load.num_local // bs : -(-load.end // bs)])
                 empty = np.zeros(0, dtype=np.int32)
                 out.append(ReqMeta(req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks, load_async=True))
@@ -396,8 +410,9 @@ class RequestPlanner:
         if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
         result_save = None
+        blended_now, tracker.save_blended = blend is not None or tracker.save_blended, False
         if tracker.exact_until is not None:
-            if blend is not None and cfg.enable_save:  # the blend computed the prompt up to this step
+            if blended_now and cfg.enable_save:  # the blend computed the prompt up to this step
                 save = save_range(0, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail)
             if save is not None:
                 result_save = save if tracker.result_extras is not None else None  # all of it, as blend results

@@ -253,15 +253,18 @@ class SchedulerConnector:
 
     def _load_async(self, request: Any, num_computed: int, offered: int) -> bool:
         """Whether ``offered`` tokens after ``num_computed`` are worth an asynchronous load:
-        some are outside the CPU tier (a CPU-tier hit is one memcpy: loaded in the step),
-        the request is a plain one (not blended, no disaggregated prefill), and fewer than
-        ``async_max_loads`` are in flight. Marks the tracker's offer asynchronous."""
+        a blend, or a hit with whole chunks outside the CPU tier (a CPU-tier hit is one
+        memcpy: loaded in the step); never for disaggregated prefill; fewer than
+        ``async_max_loads`` in flight. Marks the tracker's offer asynchronous."""
         cfg = self.settings.config
         tracker = self.planner.get(request.request_id)
-        if not cfg.enable_async_loading or tracker is None or tracker.pd is not None or tracker.blend is not None:
+        if not cfg.enable_async_loading or tracker is None or tracker.pd is not None:
             return False
         if self.planner.config.window is not None or len(self._async) >= cfg.async_max_loads:
             return False
+        if tracker.blend is not None:  # a blend is compute (seconds): always off the step
+            tracker.async_offer = True
+            return True
         try:
             extras = tracker.result_extras if tracker.result_offer else tracker.key_extras
             allowed = {k: v for k, v in (extras or {}).items() if k in KEY_EXTRA_NAMES}

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcache.integration.vllm.blend_worker import BlendRunner
+from lmcache.integration.vllm.blend_worker import BlendOutcome, BlendRunner
 from lmcache.integration.vllm.async_loads import AsyncLoads, PendingLoad
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache.integration.vllm.failure_log import failure_logger
@@ -263,7 +263,9 @@ class WorkerConnector:
                     self._async_done.add(req.req_id)
             return
         for req in loads:
-            if req.blend is not None:
+            if req.blend is not None and req.load_async:
+                self._start_async_blend(req)
+            elif req.blend is not None:
                 self._blend(req)
             elif req.load_async:
                 self._start_async(req)
@@ -277,6 +279,23 @@ class WorkerConnector:
             self._async_done.add(req.req_id)
             return
         self.async_loads.start(req)
+        self.engine.stats.add(async_loads=1)
+
+    def _start_async_blend(self, req: ReqMeta) -> None:
+        """Blend ``req`` on the blend thread while vLLM runs the other requests."""
+        assert req.blend is not None
+        runner = self._blend_runner()
+        if self.async_loads is None or runner is None or self.kvcaches is None:
+            self._blend(req)  # reports the failure when there is no runner
+            self._async_done.add(req.req_id)
+            return
+        spec, kvcaches = req.blend, self.kvcaches
+
+        def work() -> BlendOutcome:
+            with torch.inference_mode():
+                return runner.run(req, spec, kvcaches)
+
+        self.async_loads.start_blend(req, work)
         self.engine.stats.add(async_loads=1)
 
     def finish_async(self) -> set[str]:
@@ -302,6 +321,15 @@ class WorkerConnector:
         spec = req.load
         assert spec is not None
         self.engine.latency["async_load"].observe(time.monotonic() - pending.started)
+        if pending.blend:
+            assert pending.future is not None
+            try:
+                outcome = pending.future.result()
+            except Exception as exc:  # noqa: BLE001 - a failed blend is a recompute, never wrong KV kept
+                self._blend_failed(req, exc)
+                return
+            self._blend_done(req, outcome)
+            return
         if not self._usable():
             self._fail(req, spec.num_local, "disabled", "lmcache: cache unusable on this worker; recomputing %s",
                        req.req_id)  # fmt: skip
@@ -522,10 +550,16 @@ class WorkerConnector:
         try:
             out = runner.run(req, req.blend, self.kvcaches)
         except Exception as exc:  # noqa: BLE001 - a failed blend is a recompute, never wrong KV kept
-            self.engine.stats.add(blend_failures=1)
-            self._fail(req, 0, "blend", "lmcache: blend of %s failed (%s: %s); recomputing", req.req_id,
-                       type(exc).__name__, exc)  # fmt: skip
+            self._blend_failed(req, exc)
             return
+        self._blend_done(req, out)
+
+    def _blend_failed(self, req: ReqMeta, exc: BaseException) -> None:
+        self.engine.stats.add(blend_failures=1)
+        self._fail(req, 0, "blend", "lmcache: blend of %s failed (%s: %s); recomputing", req.req_id,
+                   type(exc).__name__, exc)  # fmt: skip
+
+    def _blend_done(self, req: ReqMeta, out: BlendOutcome) -> None:
         self.engine.stats.add(
             blend_requests=1, blend_reused_tokens=out.reused, blend_recomputed_tokens=out.recomputed
         )
