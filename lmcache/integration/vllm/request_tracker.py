@@ -172,11 +172,11 @@ class RequestPlanner:
         self.warn = failure_logger(logger)
         self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
                          "pd_refused": 0}
+        """Plain counters (scheduler thread only), read through ``collect_stats``."""
         self._async_new: dict[str, RequestTracker] = {}
         """Requests whose asynchronous load vLLM accepted (:meth:`on_alloc`), for :meth:`build`:
         kept even if the request finishes first (vLLM frees its blocks only once the worker
         reports the load settled, so the worker must hear of it)."""
-        """Plain counters (scheduler thread only), read through ``collect_stats``."""
 
     @property
     def min_cached_tokens(self) -> int:
