@@ -50,6 +50,7 @@ released by the engine.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
@@ -162,6 +163,8 @@ class WorkerConnector:
         on = getattr(cfg, "enable_async_loading", False)  # integrators' engines may predate the key
         self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if on else None
         """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
+        self._blend_lock = threading.Lock()
+        """One blend at a time (the blend thread's and, past ``async_max_loads``, the step's)."""
         self._async_done: set[str] = set()
         """Asynchronous loads settled outside :meth:`finish_async` (failed at once), to report."""
 
@@ -292,7 +295,7 @@ class WorkerConnector:
         spec, kvcaches = req.blend, self.kvcaches
 
         def work() -> BlendOutcome:
-            with torch.inference_mode():
+            with self._blend_lock, torch.inference_mode():
                 return runner.run(req, spec, kvcaches)
 
         self.async_loads.start_blend(req, work)
@@ -548,7 +551,8 @@ class WorkerConnector:
             self._fail(req, 0, "blend-off", "lmcache: blending unavailable on this worker; recomputing %s", req.req_id)
             return
         try:
-            out = runner.run(req, req.blend, self.kvcaches)
+            with self._blend_lock:
+                out = runner.run(req, req.blend, self.kvcaches)
         except Exception as exc:  # noqa: BLE001 - a failed blend is a recompute, never wrong KV kept
             self._blend_failed(req, exc)
             return
