@@ -276,6 +276,7 @@ _PARSERS = {
     "enable_async_loading": _as_bool,
     "async_load_timeout": _as_float,
     "async_max_loads": _as_int,
+    "async_copy_step_tokens": _as_int,
     "enable_blending": _as_bool,
     "blend_special_str": _as_separator,
     "blend_recompute_ratios": _as_float_list,
@@ -381,6 +382,10 @@ class LMCacheEngineConfig:
     recomputed by vLLM (a frozen or lost remote tier never holds a request longer)."""
     async_max_loads: int = 16
     """Asynchronous loads in flight per engine; further hits are loaded synchronously."""
+    async_copy_step_tokens: int = 1024
+    """Tokens of prefetched asynchronous loads copied into vLLM's blocks per step (whole
+    chunks, at least one): a long hit is copied over several steps, so no step stalls
+    for the whole copy."""
     """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
     at once (counted as ``pd_wait_refused``)."""
     enable_blending: bool = False
@@ -597,6 +602,8 @@ class LMCacheEngineConfig:
             raise ConfigError(f"async_load_timeout={self.async_load_timeout!r}: expected seconds > 0")
         if self.async_max_loads < 1:
             raise ConfigError(f"async_max_loads={self.async_max_loads!r}: expected an integer >= 1")
+        if self.async_copy_step_tokens < 1:
+            raise ConfigError(f"async_copy_step_tokens={self.async_copy_step_tokens!r}: expected tokens >= 1")
 
     def _validate_pd(self) -> None:
         if self.pd_wait_timeout <= 0:

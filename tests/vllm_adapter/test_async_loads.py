@@ -31,9 +31,10 @@ def delta(rounds: list[dict], key: str) -> int:
 
 
 def test_hits_only_in_redis_load_asynchronously_with_identical_outputs(tiny_llama_dir, redis_server):
+    """One chunk copied per step (``async_copy_step_tokens``): long hits take several steps."""
     prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=5)
     lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
-               "enable_async_loading": True}  # fmt: skip
+               "enable_async_loading": True, "async_copy_step_tokens": CHUNK}  # fmt: skip
     out = run_vllm(VLLMRun(model=str(tiny_llama_dir), rounds=[prompts, prompts], lmcache=lmcache,
                            actions={1: {"type": "evict_cpu"}}, **COMMON))  # fmt: skip
     rounds = out["rounds"]

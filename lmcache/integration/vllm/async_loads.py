@@ -60,6 +60,8 @@ class PendingLoad:
     """A blend computed on the blend thread (``future`` resolves to its outcome; no deadline:
     it writes into the request's blocks until it returns, so it is reported only then)."""
     released: bool = False
+    copied: int = 0
+    """Tokens copied into the request's blocks so far (the copy runs over several steps)."""
 
     def release(self) -> None:
         """Drop the prefetch's references (worker thread, once the copy is done). A prefetch

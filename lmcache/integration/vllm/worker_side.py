@@ -163,6 +163,8 @@ class WorkerConnector:
         on = getattr(cfg, "enable_async_loading", False)  # integrators' engines may predate the key
         self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if on else None
         """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
+        self._copying: list[PendingLoad] = []
+        """Asynchronous loads being copied into their blocks, a budget of tokens per step."""
         self._blend_lock = threading.Lock()
         """One blend at a time (the blend thread's and, past ``async_max_loads``, the step's)."""
         self._async_done: set[str] = set()
@@ -307,37 +309,50 @@ class WorkerConnector:
         the ids of every asynchronous load settled since the last call (loaded or failed: a
         failure's blocks are among :meth:`take_load_errors`)."""
         done, self._async_done = self._async_done, set()
-        if self.async_loads is None or not len(self.async_loads):
+        if self.async_loads is None:
             return done
-        for pending in self.async_loads.ready():
-            done.add(pending.req.req_id)  # reported whatever happens: vLLM holds the request until then
+        if len(self.async_loads):
+            self._copying.extend(self.async_loads.ready())
+        budget = self.engine.config.async_copy_step_tokens
+        still: list[PendingLoad] = []
+        for pending in self._copying:
+            finished = True
             try:
-                self._copy_async(pending)
+                if budget > 0 or pending.blend:
+                    budget, finished = self._copy_async(pending, budget)
+                else:
+                    finished = False  # this step's copy budget is spent: the next step goes on
             except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
                 self._fail_load(pending.req, exc)
-            finally:
+            if finished or pending.req.req_id in self._failed:
+                done.add(pending.req.req_id)  # vLLM holds the request until it is reported
+                self.engine.latency["async_load"].observe(time.monotonic() - pending.started)
                 pending.release()
+            else:
+                still.append(pending)
+        self._copying = still
         return done
 
-    def _copy_async(self, pending: PendingLoad) -> None:
+    def _copy_async(self, pending: PendingLoad, budget: int) -> tuple[int, bool]:
+        """Copy the next part of ``pending`` (at most ``budget`` tokens, whole chunks; a
+        blend's result is in the blocks already). Returns (budget left, whether it is done)."""
         req = pending.req
         spec = req.load
         assert spec is not None
-        self.engine.latency["async_load"].observe(time.monotonic() - pending.started)
         if pending.blend:
             assert pending.future is not None
             try:
                 outcome = pending.future.result()
             except Exception as exc:  # noqa: BLE001 - a failed blend is a recompute, never wrong KV kept
                 self._blend_failed(req, exc)
-                return
+                return budget, True
             self._blend_done(req, outcome)
-            return
+            return budget, True
         if not self._usable():
             self._fail(req, spec.num_local, "disabled", "lmcache: cache unusable on this worker; recomputing %s",
                        req.req_id)  # fmt: skip
-            return
-        if pending.timed_out:  # only what the CPU tier holds: a frozen tier must not block this step
+            return budget, True
+        if pending.copied == 0 and pending.timed_out:  # only what the CPU tier holds: a frozen tier must not block
             self.engine.stats.add(async_load_timeouts=1)
             self.warn("async-timeout", "lmcache: asynchronous load of %s not done within async_load_timeout=%s s; "
                       "loading what the CPU tier holds, recomputing the rest", req.req_id,
@@ -347,9 +362,19 @@ class WorkerConnector:
             if held <= spec.num_local:
                 self._fail(req, spec.num_local, "async-miss", "lmcache: nothing of %s's hit in the CPU tier at its "
                            "deadline; recomputing", req.req_id)  # fmt: skip
-                return
-            req = replace(req, load=LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held)))
-        self._load_bulk(req)
+                return budget, True
+            spec = LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held))
+            pending.req = req = replace(req, load=spec)
+        start = max(spec.num_local, pending.copied)
+        c = self.chunk_size
+        stop = min(spec.end, start - start % c + max(c, budget - budget % c))  # whole chunks, at least one
+        last = stop >= spec.end
+        part = LoadSpec(start, stop - start, spec.load_len if last else stop)
+        self._load_bulk(replace(req, load=part))
+        if req.req_id in self._failed and not last:  # the rest is not loaded either
+            self._fail(req, stop, "short", "lmcache: %s: the rest of its asynchronous load is recomputed", req.req_id)
+        pending.copied = stop
+        return budget - (stop - start), last
 
     def _resident_end(self, req: ReqMeta) -> int:
         """Leading tokens of ``req``'s load whose whole chunks the CPU tier holds now."""
