@@ -118,3 +118,35 @@ def test_a_load_past_its_deadline_is_ready_and_its_late_prefetch_releases_itself
         assert [o.refs for o in engine.objs] == [0, 0]
     finally:
         loads.close()
+
+
+def test_cpu_tier_residency_over_the_lookup_sockets(tmp_path):
+    """The scheduler in another process (``vllm serve``) asks each rank what its CPU tier holds."""
+    from lmcache.integration.vllm.lookup_service import LookupClient, LookupServer
+
+    def server(rank: int, resident=True) -> LookupServer:
+        fn = (lambda tokens, extras, end: min(end, 32 - 16 * rank)) if resident else None
+        return LookupServer(str(tmp_path / f"r{rank}.sock"), lambda t, e: len(t), dict, resident=fn)
+
+    servers = [server(0), server(1)]
+    client = LookupClient([s.path for s in servers], timeout=1.0)
+    try:
+        assert client.resident(list(range(40)), {}, 40) == 16  # the minimum over ranks
+        assert client.resident(list(range(40)), {}, 8) == 8
+        assert client.resident(list(range(40)), {}, 41) is None and "end=41" in (client.last_error or "")
+        assert client.resident(list(range(40)), {}, -1) is None
+        payload = np.arange(40, dtype="<i4").tobytes()
+        for bad in (True, "3", None, 2.0):  # forged bounds are refused by name, never a crash
+            reply = servers[0]._server.dispatch({"op": "resident", "end": bad}, payload)
+            assert "end=" in reply["error"]
+    finally:
+        client.close()
+        for s in servers:
+            s.close()
+    old = server(2, resident=False)  # a worker without the op: unknown, so the load stays synchronous
+    client = LookupClient([old.path], timeout=1.0)
+    try:
+        assert client.resident([1, 2, 3], {}, 3) is None
+    finally:
+        client.close()
+        old.close()

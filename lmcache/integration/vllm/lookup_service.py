@@ -13,6 +13,8 @@ Wire format (both directions): ``!II`` header length and payload length, a JSON
 header, then the payload. Requests: ``{"op": "lookup", "extras": {...}}`` with the
 tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "segments", "segments": [[start, end], ...], "extras": {...}}`` + tokens ->
 ``{"cached": [n, ...]}`` (blending: cached leading tokens of each segment's own entries);
+``{"op": "resident", "end": n, "extras": {...}}`` + tokens -> ``{"resident": m}`` (leading
+tokens, up to ``end``, whose whole chunks the CPU tier holds: asynchronous loads);
 ``{"op": "stats"}`` ->
 ``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
 The admin API's ops (served only when the server has a ``WorkerAdmin``,
@@ -94,6 +96,7 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 LookupFn = Callable[[np.ndarray, dict[str, Any]], int]
 StatsFn = Callable[[], dict[str, int]]
 SegmentsFn = Callable[[np.ndarray, list[tuple[int, int, bytes]], dict[str, Any]], list[int]]
+ResidentFn = Callable[[np.ndarray, dict[str, Any], int], int]
 
 
 def _segment_bounds(value: Any) -> list[tuple[int, int, bytes]]:
@@ -167,9 +170,11 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         stats: StatsFn,
         admin: WorkerAdmin | None = None,
         segments: SegmentsFn | None = None,
+        resident: ResidentFn | None = None,
     ) -> None:
         self._lookup = lookup
         self._segments = segments
+        self._resident = resident
         self._stats = stats
         self._admin = admin
         self._log_once = LogOnce(logger)
@@ -209,6 +214,12 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             tokens = np.frombuffer(payload, dtype="<i4")
             bounds = _segment_bounds(header.get("segments"))
             return {"cached": [int(x) for x in self._segments(tokens, bounds, dict(header.get("extras") or {}))]}
+        if op == "resident" and self._resident is not None:
+            tokens = np.frombuffer(payload, dtype="<i4")
+            end = header.get("end")
+            if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= len(tokens):
+                return {"error": f"end={end!r}: expected an integer in 0..{len(tokens)}"}
+            return {"resident": int(self._resident(tokens, dict(header.get("extras") or {}), end))}
         if op == "stats":
             return {"stats": self._stats()}
         if op == "ping":
@@ -270,6 +281,7 @@ class LookupServer:
         *,
         admin: WorkerAdmin | None = None,
         segments: SegmentsFn | None = None,
+        resident: ResidentFn | None = None,
     ) -> None:
         self.path = path
         directory = os.path.dirname(path) or "."
@@ -281,7 +293,7 @@ class LookupServer:
         sweep_stale_sockets(directory, "lookup-")
         if not remove_stale_socket(path):
             raise OSError(errno.EADDRINUSE, f"{path}: a live lookup server already listens there")
-        self._server = _Server(path, lookup, stats, admin, segments)
+        self._server = _Server(path, lookup, stats, admin, segments, resident)
         os.chmod(path, 0o600)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="lmcache-lookup", daemon=True
@@ -371,6 +383,20 @@ class LookupClient:
                     return None
                 hits.append(int(reply["hit"]))
         return min(hits)
+
+    def resident(self, tokens: Any, extras: dict[str, Any] | None, end: int) -> int | None:
+        """Leading tokens, up to ``end``, whose whole chunks every rank's CPU tier holds;
+        None when any rank cannot answer."""
+        payload = tokens_to_array(tokens).tobytes()
+        header = {"op": "resident", "end": int(end), "extras": extras or {}}
+        with self._lock:
+            held = []
+            for rank in range(len(self.paths)):
+                reply = self._call(rank, header, payload)
+                if reply is None or not isinstance(reply.get("resident"), int):
+                    return None
+                held.append(int(reply["resident"]))
+        return min(held)
 
     def lookup_segments(
         self, tokens: Any, bounds: Sequence[tuple[Any, ...]], extras: dict[str, Any] | None = None

@@ -123,12 +123,15 @@ class LookupDispatcher:
         return self._client.lookup(tokens, extras), None
 
     def resident(self, tokens: list[int], extras: dict[str, Any], end: int) -> int | None:
-        """Leading tokens, up to ``end``, that every rank's CPU tier holds; None when unknown
-        (the workers answer over sockets: no residency in the protocol)."""
+        """Leading tokens, up to ``end``, whose whole chunks every rank's CPU tier holds
+        (in process, or over the workers' lookup sockets); None when a rank cannot answer."""
         engines = self._engines()
-        if engines is None:
-            return None
-        return min(e.resident_prefix(e.prefix_keys(tokens, **extras), end) for e in engines)
+        if engines is not None:
+            return min(e.resident_prefix(e.prefix_keys(tokens, **extras), end) for e in engines)
+        if self._client is None:
+            self._client = LookupClient(self.paths, timeout=self.timeout)
+        self.used_socket = True
+        return self._client.resident(tokens, extras, end)
 
     def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int, bytes]],
                         extras: dict[str, Any]) -> list[int] | None:  # fmt: skip

@@ -232,12 +232,19 @@ class LMCacheConnectorV1Impl:
             allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
             return engine.lookup_segments(tokens, bounds, **allowed)
 
+        def resident(tokens: Any, extras: dict[str, Any], end: int) -> int:
+            if not worker.enabled:
+                return 0
+            allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
+            return engine.resident_prefix(engine.prefix_keys(tokens, **allowed), end)
+
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
             self._admin = WorkerAdmin(engine)
             self._server = LookupServer(
-                path, lookup, lambda: process_snapshot(engine), admin=self._admin, segments=segments
-            )
+                path, lookup, lambda: process_snapshot(engine), admin=self._admin, segments=segments,
+                resident=resident,
+            )  # fmt: skip
         except OSError as exc:
             logger.warning(
                 "lmcache: cannot serve lookups on %s (%s); a scheduler in another process will see only misses",
