@@ -16,15 +16,16 @@ full prefill of the same prompt:
 Models: a tiny random Llama (always) and ``models/smollm2-135m`` when present.
 
 ``serving``: the real model in vLLM's OpenAI server, a full-prefill baseline against one server
-per recompute ratio with lmcache blending, on the question set of ``harness/rag_dataset.py``: accuracy,
-agreement with the baseline's answers, TTFT at ~1.5k and ~3k tokens, reused tokens
-(``blend_serving.py`` says more).
+per recompute ratio with lmcache blending, on the question set of ``harness/rag_dataset.py``: accuracy
+paired with the baseline's (with a 95% interval), the teacher-forced log-probability of the gold
+answer against the baseline's, agreement with the baseline's answers, TTFT at ~1.5k and ~3k tokens,
+reused tokens (``blend_serving.py`` says more).
 
 Usage::
 
     python benchmarks/bench_blend.py [core] [--tokens 1000] [--reps 3] [--threads 1] [--ratios 0,0.05,0.15,0.3,0.6,1]
-    python benchmarks/bench_blend.py serving [--ratios 0,0.05,0.15,0.3,0.5,1] [--questions 28] [--speed-prompts 3]
-        [--json out.json]
+    python benchmarks/bench_blend.py serving [--ratios 0,0.1,0.2,0.3,0.5,1] [--questions 117] [--speed-prompts 3]
+        [--parallel 2] [--no-score] [--json out.json]
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def main() -> None:
         "--ratios",
         type=lambda s: [float(x) for x in s.split(",") if x.strip()],
         default=None,
-        help="recompute ratios (core: 0,0.05,0.15,0.3,0.6,1; serving: 0,0.05,0.15,0.3,0.5,1)",
+        help="recompute ratios (core: 0,0.05,0.15,0.3,0.6,1; serving: 0,0.1,0.2,0.3,0.5,1)",
     )
     core = parser.add_argument_group("core")
     core.add_argument("--tokens", type=int, default=1000)

@@ -12,7 +12,9 @@ document always among them), greedy, streamed, in one of three forms (``--format
 
 With ``text`` and ``chat`` the documents are pre-cached as text too (``/v1/completions``).
 
-Servers (one fresh server each, the real model, vLLM's prefix caching off in all):
+Servers (one fresh server each, the real model, vLLM's prefix caching off in all but the
+scoring baseline's, below; ``--parallel N`` runs N at once, each vLLM worker bound to a CPU of
+its own: for quality runs, the TTFTs then share the machine):
 
 * ``baseline``: no KV connector; every prompt is a full prefill.
 * ``lmcache prefix`` (``--with-prefix``): our connector without blending, the same
@@ -27,11 +29,35 @@ ROUGE-L of the answer against the baseline's, TTFT p50 on the quality prompts (`
 documents, ~1.5k tokens) and on the speed prompts (``--speed-docs``, ~3k tokens), the ratio of
 the speed TTFT p50 to the baseline's, vLLM's ``cached_tokens`` and lmcache's blending counters
 (``lmcache_blend_*`` in ``/metrics``; ``n/a`` when the server does not export them) as the share
-of the prompts' document tokens reused and as the share of all prompt tokens. The instruction
-is a segment too (reused after the first prompt), and a speed prompt's question was already
-asked in a quality prompt, so reused tokens can exceed the document tokens at low ratios.
+of the prompts' document tokens reused and as the share of all prompt tokens. Each prompt's
+instruction starts with a tag of its own (``Request 7.``), so that no two prompts share a KV
+chunk (:func:`make_prompts`); a speed prompt's question was already asked in a quality prompt,
+so reused tokens can exceed the document tokens at low ratios.
 "First token = full" says little with this model, whose answers nearly always start with
 "The"; "answer = full" compares the whole answers.
+
+Teacher-forced score (on unless ``--no-score``): each quality prompt is first sent with its
+answer forced to the gold answer (``rag.gold_answer``: the question restated, then the fact),
+and the server returns each forced token's log-probability, computed over the prompt's KV
+(blended, or a full prefill) exactly as a generated token would be. The score is the sum over
+the fact's tokens, log P(fact | prompt, restatement): a continuous, low-noise measure of what
+the KV approximation costs, paired per question with the baseline's. The forcing is a vLLM logits processor (:func:`forced_answer_class`, loaded with
+``--logits-processors``); vLLM reports logprobs of the raw logits, before any processor.
+vLLM's prompt logprobs (``echo`` with ``logprobs``) cannot be used for this: vLLM 0.32 makes
+every request with prompt logprobs skip cached KV (``skip_reading_prefix_cache``), so lmcache's
+offer is dropped and such a request is a full prefill on every server (measured: no blend, 0
+cached tokens). The answer request follows: on a blending server it loads the forced send's
+blend result (every full KV block of the prompt; vLLM computes the last partial block, at most
+31 tokens, mostly the question, over it), and on the baseline it reuses the forced send's KV
+through vLLM's prefix caching (on there, each prompt's two requests under a ``cache_salt`` of
+their own). Checked per server: lmcache blended one request per quality prompt (the forced
+one: every token but the last from lmcache) and none more, and each answer request was given
+every full block; the table shows how many document tokens the answer sends computed
+afresh. Paired with the baseline by question: accuracy counts (both right, only the full
+prefill, only this server, neither), the accuracy difference with a 95% paired bootstrap
+interval and an exact McNemar p, and the mean log P(fact) difference with its 95% bootstrap
+interval. ``--parallel`` and ``--concurrency`` shorten such a run (the answers' numerics then
+depend on which requests share a batch, far below the blend's effect).
 
 Scenarios (``--scenario``; the above is ``quality``, the default): the cost of turning blending
 on where there is nothing to blend. Two fresh lmcache servers, the same config but
@@ -68,6 +94,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import queue
 import random
 import shutil
 import statistics
@@ -75,6 +103,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +123,63 @@ BLEND_METRICS = {
     "seconds_sum": "lmcache_blend_seconds_sum",
     "seconds_count": "lmcache_blend_seconds_count",
     "stored_segment_tokens": "lmcache_blend_stored_segment_tokens_total",
+    "failures": "lmcache_blend_failures_total",
 }
-DEFAULT_RATIOS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.0)
+DEFAULT_RATIOS = (0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
+BLOCK = 32
+"""vLLM's KV block size in every server."""
+FORCED_ARG = "lmcache_bench_forced_ids"
+"""``vllm_xargs`` key of a teacher-forced request: the token ids it must generate (:func:`forced_answer_class`)."""
+FORCED_PROCESSOR = "benchmarks.blend_serving:ForcedAnswer"
+"""vLLM's ``--logits-processors`` name of the teacher-forcing processor (resolved by :func:`__getattr__`)."""
+
+
+# ------------------------------------------------------------------------------ teacher forcing
+def forced_answer_class() -> type:
+    """vLLM logits processor (``--logits-processors``) that makes a request whose ``vllm_xargs`` hold
+    ``FORCED_ARG`` generate exactly those token ids: at step k every logit but that of the k-th id
+    is set to -inf. Other requests are left alone. vLLM computes the returned logprobs from the raw
+    logits, before any processor (its default ``logprobs_mode``, ``raw_logprobs``), so a forced
+    token's logprob is the model's own, computed over the request's KV like any generated token.
+    Defined on first use so that importing this module does not import vLLM."""
+    import torch
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class ForcedAnswer(LogitsProcessor):
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.forced: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (ids to force, output so far)
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        @staticmethod
+        def _state(params: Any, _prompt: list[int] | None, output: list[int]) -> tuple[list[int], list[int]] | None:
+            ids = (getattr(params, "extra_args", None) or {}).get(FORCED_ARG)
+            return ([int(t) for t in ids], output) if ids else None
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            process_dict_updates(self.forced, batch_update, self._state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            for row, (ids, output) in self.forced.items():
+                if len(output) < len(ids):
+                    token = ids[len(output)]
+                    kept = logits[row, token].clone()
+                    logits[row] = float("-inf")
+                    logits[row, token] = kept
+            return logits
+
+    return ForcedAnswer
+
+
+def __getattr__(name: str) -> Any:
+    """Module attributes made on first use: ``ForcedAnswer`` (vLLM loads it by name in its worker)."""
+    if name == "ForcedAnswer":
+        cls = forced_answer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -107,23 +191,30 @@ class Prompt:
     ids: tuple[int, ...]
     doc_tokens: int  # tokens of the documents in the prompt (what blending could reuse)
     content: str = ""  # the user message: instruction, documents and question joined by the separator
+    tail: int = 0  # tokens after the last document (separator, question, template), as token ids
 
 
 FORMATS = ("ids", "text", "chat")
 
 
-def request(p: Prompt, fmt: str, tokenizer: Any) -> tuple[str, dict[str, Any]]:
-    """The endpoint and body fields that send prompt ``p`` in format ``fmt``."""
+def request(p: Prompt, fmt: str, tokenizer: Any, salt: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The endpoint and body fields that send prompt ``p`` in format ``fmt`` (with vLLM's
+    ``cache_salt`` when ``salt`` is given)."""
+    extra = {} if salt is None else {"cache_salt": salt}
     if fmt == "ids":
-        return "/v1/completions", {"prompt": list(p.ids)}
+        return "/v1/completions", {"prompt": list(p.ids), **extra}
     if fmt == "text":
         before, after = rag.chat_wrapper(tokenizer)
-        return "/v1/completions", {"prompt": before + p.content + after}
-    return "/v1/chat/completions", {"messages": [{"role": "user", "content": p.content}]}
+        return "/v1/completions", {"prompt": before + p.content + after, **extra}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": p.content}], **extra}
 
 
 def make_prompts(tokenizer: Any, args: argparse.Namespace) -> list[Prompt]:
-    """Quality prompts (one per question), then speed prompts; no two share a document order."""
+    """Quality prompts (one per question), then speed prompts; no two share a document order, and
+    each instruction starts with a tag of its own (``Request 7.``), so that no two prompts share a
+    KV chunk: every prompt's first send is then a blend of its own, never served from an earlier
+    prompt's blend result (lmcache loads one for a prompt that begins with the same chunks, and
+    computes the rest exactly: a quality run would measure a mix)."""
     seen: set[tuple[int, ...]] = set()
     out: list[Prompt] = []
 
@@ -135,10 +226,13 @@ def make_prompts(tokenizer: Any, args: argparse.Namespace) -> list[Prompt]:
         else:
             raise SystemExit(f"no unused order of {num_docs} documents left for question {q}")
         seen.add(order)
-        ids = rag.build_prompt(tokenizer, order, rag.QUESTIONS[q])
+        instruction = f"Request {len(out) + 1}. {rag.INSTRUCTION}"
+        ids = rag.build_prompt(tokenizer, order, rag.QUESTIONS[q], instruction)
         doc_tokens = sum(len(rag.doc_ids(tokenizer, d)) for d in order)
-        parts = [rag.INSTRUCTION, *(rag.DOCS[d] for d in order), f"Question: {rag.QUESTIONS[q].text}"]
-        out.append(Prompt(kind, q, order, tuple(ids), doc_tokens, rag.SEP_TEXT.join(parts)))
+        parts = [instruction, *(rag.DOCS[d] for d in order), f"Question: {rag.QUESTIONS[q].text}"]
+        after = rag.chat_wrapper(tokenizer)[1]  # as rag.build_prompt ends a prompt
+        tail = len(rag.sep_ids(tokenizer)) + len(rag.doc_ids(tokenizer, f"Question: {rag.QUESTIONS[q].text}{after}"))
+        out.append(Prompt(kind, q, order, tuple(ids), doc_tokens, rag.SEP_TEXT.join(parts), tail))
 
     for q in range(min(args.questions, len(rag.QUESTIONS))):
         add("quality", q, args.quality_docs)
@@ -197,6 +291,7 @@ class Answer:
     text: str
     token_ids: list[int]
     cached_tokens: int | None
+    logprobs: list[float] = field(default_factory=list)  # each generated token's (raw) log-probability, if asked
 
 
 def complete(url: str, ids: list[int] | tuple[int, ...], max_tokens: int) -> Answer:
@@ -218,6 +313,7 @@ def send(url: str, path: str, fields: dict[str, Any], max_tokens: int) -> Answer
     ttft: float | None = None
     text: list[str] = []
     tokens: list[int] = []
+    logprobs: list[float] = []
     usage: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=1800) as r:
         for raw in r:
@@ -234,11 +330,46 @@ def send(url: str, path: str, fields: dict[str, Any], max_tokens: int) -> Answer
                     ttft = time.perf_counter() - t0
                 tokens += new
                 text.append(piece)
+                logprobs += chunk_logprobs(choice)
     details = usage.get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
     return Answer("", -1, [], int(usage.get("prompt_tokens", 0)),
                   ttft if ttft is not None else time.perf_counter() - t0, "".join(text), tokens,
-                  None if cached is None else int(cached))  # fmt: skip
+                  None if cached is None else int(cached), logprobs)  # fmt: skip
+
+
+def chunk_logprobs(choice: dict[str, Any]) -> list[float]:
+    """The generated tokens' log-probabilities in one streamed choice (completions or chat form)."""
+    lp = choice.get("logprobs") or {}
+    if "token_logprobs" in lp:  # /v1/completions
+        return [float(x) for x in lp["token_logprobs"]]
+    return [float(c["logprob"]) for c in lp.get("content") or ()]  # /v1/chat/completions
+
+
+def gold_ids(tokenizer: Any, q: int) -> tuple[list[int], list[int]]:
+    """The forced answer's ids: its lead's and its fact's (:func:`rag.gold_answer`)."""
+    lead, fact = rag.gold_answer(rag.QUESTIONS[q])
+    return rag.doc_ids(tokenizer, lead), rag.doc_ids(tokenizer, fact)
+
+
+def force(url: str, p: Prompt, fmt: str, tokenizer: Any, salt: str | None = None) -> Answer:
+    """Teacher forcing: prompt ``p`` sent as the answer request would send it, its answer forced
+    to the gold answer (``ForcedAnswer``): the returned ``logprobs`` are the fact's tokens',
+    log P(fact token k | prompt, lead, fact tokens before k); their sum is log P(fact). Raises
+    when the server did not generate the gold ids (no forcing processor)."""
+    lead, fact = gold_ids(tokenizer, p.question)
+    gold = lead + fact
+    path, fields = request(p, fmt, tokenizer, salt)
+    extra: dict[str, Any] = {"vllm_xargs": {FORCED_ARG: gold}, "ignore_eos": True}
+    extra |= {"logprobs": 0} if path == "/v1/completions" else {"logprobs": True, "top_logprobs": 0}
+    ans = send(url, path, fields | extra, len(gold))
+    got = ans.token_ids if ans.token_ids else rag.doc_ids(tokenizer, ans.text)
+    if got != gold or len(ans.logprobs) != len(gold):
+        raise RuntimeError(f"teacher forcing failed for q{p.question}: generated {got} ({ans.text!r}), "
+                           f"gold {gold}; logprobs {ans.logprobs}")  # fmt: skip
+    ans.kind, ans.question, ans.docs = "forced", p.question, list(p.docs)
+    ans.logprobs = ans.logprobs[len(lead) :]
+    return ans
 
 
 def metric_or_none(text: str, name: str) -> float | None:
@@ -283,7 +414,13 @@ class ServerRun:
     start_s: float = 0.0
     precache_s: float = 0.0
     answers: list[Answer] = field(default_factory=list)
+    scores: list[Answer] = field(default_factory=list)  # teacher-forced gold answers, one per quality prompt
     counters: dict[str, dict[str, float | None]] = field(default_factory=dict)  # per phase: quality, speed
+
+
+def scoring(args: argparse.Namespace) -> bool:
+    """Whether quality prompts are also teacher-forced (``--no-score`` turns it off)."""
+    return getattr(args, "scenario", "quality") == "quality" and not getattr(args, "no_score", False)
 
 
 def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
@@ -299,12 +436,19 @@ def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
 
 
 def make_server(model_dir: Path, config: ServerConfig, workdir: Path, max_len: int,
-                args: argparse.Namespace) -> OpenAIServer:  # fmt: skip
+                args: argparse.Namespace, cpu: int | None = None) -> OpenAIServer:  # fmt: skip
+    """A server for ``config``; with ``cpu``, vLLM's compute threads are bound to that CPU."""
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # the same CPU layout with and without a connector
-    block = 32
+    if cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu)
+    block = BLOCK
     extra = ["--max-model-len", str(math.ceil(max_len / block) * block), "--block-size", str(block),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens or max_len),
              "--no-enable-prefix-caching", "--served-model-name", SERVED_NAME]  # fmt: skip
+    if scoring(args):
+        extra += ["--logits-processors", FORCED_PROCESSOR]
+        if not config.lmcache:  # exact KV: the answer request reuses the forced request's (same cache_salt)
+            extra += ["--enable-prefix-caching"]
     name = config.name.replace(" ", "-").replace("=", "")
     if not config.lmcache:
         return OpenAIServer(str(model_dir), None, workdir / f"{name}.log", env=env, extra_args=extra)
@@ -315,10 +459,35 @@ def make_server(model_dir: Path, config: ServerConfig, workdir: Path, max_len: i
     return OpenAIServer(str(model_dir), ktc, workdir / f"{name}.log", env=env, extra_args=extra)
 
 
+def run_servers(model_dir: Path, configs: list[ServerConfig], prompts: list[Prompt], tokenizer: Any,
+                workdir: Path, args: argparse.Namespace) -> list[ServerRun]:  # fmt: skip
+    """One server per config, in turn, or ``--parallel`` at once (each bound to a CPU of its own,
+    the costliest configs first); the runs in ``configs``' order, without the failed ones."""
+    cpus = [None] if args.parallel <= 1 else [k % (os.cpu_count() or 1) for k in range(args.parallel)]
+    free: queue.Queue[int | None] = queue.Queue()
+    for cpu in cpus:
+        free.put(cpu)
+
+    def one(config: ServerConfig) -> ServerRun | None:
+        cpu = free.get()
+        try:
+            return run_server(model_dir, config, prompts, tokenizer, workdir, args, cpu)
+        except Exception as exc:  # one broken server must not lose the others' numbers
+            print(f"  [{config.name}] FAILED: {exc!r}", flush=True)
+            return None
+        finally:
+            free.put(cpu)
+
+    order = sorted(configs, key=lambda c: 1.0 if c.ratio is None else c.ratio, reverse=True)  # stable: baseline first
+    with ThreadPoolExecutor(max_workers=len(cpus)) as pool:
+        done = dict(zip(order, pool.map(one, order)))
+    return [run for c in configs if (run := done[c]) is not None]
+
+
 def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tokenizer: Any, workdir: Path,
-               args: argparse.Namespace) -> ServerRun:  # fmt: skip
+               args: argparse.Namespace, cpu: int | None = None) -> ServerRun:  # fmt: skip
     max_len = max(len(p.ids) for p in prompts) + args.max_tokens + 64
-    server = make_server(model_dir, config, workdir, max_len, args)
+    server = make_server(model_dir, config, workdir, max_len, args, cpu)
     run = ServerRun(config.name, config)
     t0 = time.perf_counter()
     try:
@@ -337,25 +506,46 @@ def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tok
             print(f"  [{run.name}] {len(rag.DOCS)} documents pre-cached in {run.precache_s:.1f} s", flush=True)
         before = blend_counters(server) if config.lmcache else {}
         for kind in ("quality", "speed"):
-            for p in (p for p in prompts if p.kind == kind):
-                path, fields = request(p, args.format, tokenizer)
-                ans = send(server.url, path, fields, args.max_tokens)
-                ans.kind, ans.question, ans.docs = p.kind, p.question, list(p.docs)
-                run.answers.append(ans)
-                ok = rag.judge(ans.text, rag.QUESTIONS[p.question])
-                print(f"    {kind} q{p.question:<2} docs {p.docs} {ans.prompt_tokens} tok  TTFT {ans.ttft:6.2f} s  "
-                      f"{'ok ' if ok else 'BAD'} {ans.text.strip()[:70]!r}", flush=True)  # fmt: skip
+            todo = [p for p in prompts if p.kind == kind]
+            workers = args.concurrency if kind == "quality" else 1
+            with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+                for forced, ans in pool.map(lambda p: ask(server.url, run, p, tokenizer, args), todo):
+                    run.scores += [forced] if forced is not None else []
+                    run.answers.append(ans)
             if config.lmcache:
                 time.sleep(1.0)  # counters ride on the worker's step outputs
                 after = blend_counters(server)
                 run.counters[kind] = delta(after, before)
                 before = after
+        print(f"  [{run.name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
     except Exception:
         print(f"  [{run.name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
         raise
     finally:
         server.stop()
     return run
+
+
+def ask(url: str, run: ServerRun, p: Prompt, tokenizer: Any,
+        args: argparse.Namespace) -> tuple[Answer | None, Answer]:  # fmt: skip
+    """Prompt ``p``'s requests: when scoring a quality prompt, first the teacher-forced one (the
+    blend, or full prefill, under test), then the answer (greedy, ``--max-tokens``)."""
+    # the baseline (vLLM's prefix caching on when scoring) shares KV between one prompt's requests only
+    salt = f"{p.kind}-{p.question}" if scoring(args) and not run.config.lmcache else None
+    forced = None
+    if p.kind == "quality" and scoring(args):
+        forced = force(url, p, args.format, tokenizer, salt)
+        print(f"    [{run.name}] forced  q{p.question:<3} {forced.prompt_tokens} tok  TTFT {forced.ttft:6.2f} s  "
+              f"cached {fmt(forced.cached_tokens, 'd')}  log P(fact) {sum(forced.logprobs):8.3f}",
+              flush=True)  # fmt: skip
+    path, fields = request(p, args.format, tokenizer, salt)
+    ans = send(url, path, fields, args.max_tokens)
+    ans.kind, ans.question, ans.docs = p.kind, p.question, list(p.docs)
+    ok = rag.judge(ans.text, rag.QUESTIONS[p.question])
+    print(f"    [{run.name}] {p.kind} q{p.question:<3} docs {p.docs} {ans.prompt_tokens} tok  TTFT {ans.ttft:6.2f} s  "
+          f"cached {fmt(ans.cached_tokens, 'd')}  {'ok ' if ok else 'BAD'} {ans.text.strip()[:70]!r}",
+          flush=True)  # fmt: skip
+    return forced, ans
 
 
 BLEND_OFF = ServerConfig("blend off", True)
@@ -445,7 +635,7 @@ class Row:
     first_token_same: float | None
     same_answer: float | None  # the whole answer equal to the baseline's
     rouge_l: float | None
-    ttft_quality_p50: float
+    ttft_quality_p50: float  # a quality prompt's first send (the forced request when scoring)
     ttft_speed_p50: float
     speed_vs_full: float | None
     cached_share: float | None  # vLLM's cached_tokens / prompt tokens
@@ -483,8 +673,9 @@ def summarize(run: ServerRun, base: ServerRun | None, prompts: list[Prompt]) -> 
     reused = totals.get("reused")
     count, secs = totals.get("seconds_count"), totals.get("seconds_sum")
     prompt_tokens = sum(len(p.ids) for p in prompts)
+    first_sends = run.scores or quality
     return Row(
-        run.name, acc, same, exact, rouge, p50([a.ttft for a in quality]), p50([a.ttft for a in speed]), ratio,
+        run.name, acc, same, exact, rouge, p50([a.ttft for a in first_sends]), p50([a.ttft for a in speed]), ratio,
         cached_share, None if reused is None else reused / max(1, doc_tokens),
         None if reused is None else reused / max(1, prompt_tokens), totals.get("recomputed"),
         totals.get("requests"), secs / count * 1e3 if count and secs is not None else None,
@@ -510,6 +701,139 @@ def table(rows: list[Row]) -> str:
             f"{fmt(r.blend_requests, '.0f')} | {fmt(r.blend_ms, '.1f')} |"
         )
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ paired quality
+@dataclass
+class QualityRow:
+    """One server's quality prompts against the baseline's, paired by question."""
+
+    name: str
+    questions: int
+    accuracy: float
+    full_accuracy: float
+    both: int  # right on both servers
+    only_full: int  # right on the baseline only
+    only_this: int
+    neither: int
+    accuracy_diff: float  # accuracy - full_accuracy
+    accuracy_diff_ci: tuple[float, float]  # 95% paired bootstrap
+    mcnemar_p: float  # exact two-sided test of only_full against only_this
+    gold_logprob: float | None  # mean over questions of log P(fact), teacher-forced
+    logprob_diff: float | None  # mean over questions of this server's log P(fact) - the baseline's
+    logprob_diff_ci: tuple[float, float] | None  # 95% paired bootstrap
+    logprob_diff_median: float | None
+    blended: float | None  # lmcache_blend_requests during the quality prompts
+    blend_failures: float | None
+    forced_cached: int  # forced (first) sends with every prompt token but the last from lmcache
+    answers_cached: int  # answer (second) sends given every full KV block of the prompt (the first send's KV)
+    answers_exact_doc_tokens: tuple[float, int]  # document tokens the answer send computed afresh: mean, max
+
+
+def bootstrap_mean_ci(values: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean of ``values`` (one per question), resampling the questions."""
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(reps))
+    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar test: P(a split of the b + c discordant pairs at least this uneven | 50/50)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def all_but_last_cached(a: Answer) -> bool:
+    return a.cached_tokens is not None and a.cached_tokens == a.prompt_tokens - 1
+
+
+def full_blocks_cached(a: Answer) -> bool:
+    """Every full KV block before the last token came from the cache (lmcache's blend result or,
+    on the baseline, vLLM's prefix cache: both are block-granular)."""
+    return a.cached_tokens is not None and a.cached_tokens >= (a.prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def exact_doc_tokens(a: Answer, p: Prompt) -> int:
+    """Document tokens among those the answer send computed itself (after its cached blocks): a
+    blend kept most of them as cached, so there they are closer to a full prefill than the blend."""
+    return max(0, a.prompt_tokens - (a.cached_tokens or 0) - p.tail)
+
+
+def quality_row(run: ServerRun, base: ServerRun, prompts: list[Prompt]) -> QualityRow:
+    """``run``'s quality answers and forced scores paired with ``base``'s by question."""
+    by_q = {p.question: p for p in prompts if p.kind == "quality"}
+    mine = {a.question: a for a in run.answers if a.kind == "quality"}
+    theirs = {a.question: a for a in base.answers if a.kind == "quality"}
+    qs = sorted(mine.keys() & theirs.keys())
+    ok = {q: rag.judge(mine[q].text, rag.QUESTIONS[q]) for q in qs}
+    ok_full = {q: rag.judge(theirs[q].text, rag.QUESTIONS[q]) for q in qs}
+    count = lambda mine_ok, full_ok: sum(ok[q] == mine_ok and ok_full[q] == full_ok for q in qs)  # noqa: E731
+    diffs = [float(ok[q]) - float(ok_full[q]) for q in qs]
+    lp = {a.question: sum(a.logprobs) for a in run.scores}
+    lp_full = {a.question: sum(a.logprobs) for a in base.scores}
+    lq = sorted(lp.keys() & lp_full.keys())
+    lp_diffs = [lp[q] - lp_full[q] for q in lq]
+    counters = run.counters.get("quality", {})
+    n = max(1, len(qs))
+    return QualityRow(
+        run.name, len(qs), sum(ok.values()) / n, sum(ok_full.values()) / n,
+        count(True, True), count(False, True), count(True, False), count(False, False),
+        statistics.fmean(diffs) if diffs else float("nan"), bootstrap_mean_ci(diffs),
+        mcnemar_p(count(False, True), count(True, False)),
+        statistics.fmean(lp[q] for q in lq) if lq else None,
+        statistics.fmean(lp_diffs) if lp_diffs else None, bootstrap_mean_ci(lp_diffs) if lp_diffs else None,
+        statistics.median(lp_diffs) if lp_diffs else None,
+        counters.get("requests"), counters.get("failures"),
+        sum(all_but_last_cached(a) for a in run.scores), sum(full_blocks_cached(mine[q]) for q in qs),
+        (statistics.fmean(exact) if (exact := [exact_doc_tokens(mine[q], by_q[q]) for q in qs]) else 0.0,
+         max(exact, default=0)),
+    )  # fmt: skip
+
+
+def pct(v: float) -> str:
+    return f"{v * 100:+.1f}"
+
+
+def quality_table(rows: list[QualityRow]) -> str:
+    head = ("| server | questions | accuracy | both / only full / only this / neither | accuracy - full, points "
+            "(95% CI) | McNemar p | mean log P(fact) | log P(fact) - full: mean (95% CI) | median "
+            "| blended first sends | answers from the first send's KV |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ci = r.logprob_diff_ci
+        lp = "n/a" if r.logprob_diff is None or ci is None else f"{r.logprob_diff:+.3f} ({ci[0]:+.3f} to {ci[1]:+.3f})"
+        lines.append(
+            f"| {r.name} | {r.questions} | {r.accuracy:.1%} | {r.both} / {r.only_full} / {r.only_this} / {r.neither} | "
+            f"{pct(r.accuracy_diff)} ({pct(r.accuracy_diff_ci[0])} to {pct(r.accuracy_diff_ci[1])}) | "
+            f"{r.mcnemar_p:.3f} | {fmt(r.gold_logprob, '.3f')} | {lp} | {fmt(r.logprob_diff_median, '+.3f')} | "
+            f"{fmt(r.blended, '.0f')} of {r.questions} ({r.forced_cached} all but the last token from lmcache) | "
+            f"{r.answers_cached} of {r.questions} (doc tokens recomputed: mean {r.answers_exact_doc_tokens[0]:.1f}, "
+            f"max {r.answers_exact_doc_tokens[1]}) |"
+        )
+    return "\n".join(lines)
+
+
+def blend_warnings(rows: list[QualityRow]) -> list[str]:
+    """A line per blending server whose first sends were not all blended (their pairs would
+    compare a full prefill, or an earlier blend's result, with the baseline)."""
+    return [f"WARNING: {r.name}: {fmt(r.blended, '.0f')} of {r.questions} first sends blended, "
+            f"{r.forced_cached} given every token but the last by lmcache (documents evicted? raise --cpu-gib)"
+            for r in rows if r.blended is not None and not r.blended == r.forced_cached == r.questions]  # fmt: skip
+
+
+def within(r: QualityRow, points: float = 5.0) -> str:
+    """Whether ``r``'s accuracy is within ``points`` of the baseline's: the point estimate, and the
+    paired interval's lower end (non-inferiority at that margin)."""
+    lo = r.accuracy_diff_ci[0] * 100
+    est = "within" if abs(r.accuracy_diff) * 100 <= points else "NOT within"
+    ci = "within" if lo >= -points else "not shown within"
+    return (f"{r.name}: accuracy {pct(r.accuracy_diff)} points vs full prefill ({est} {points:g}); 95% CI lower end "
+            f"{lo:+.1f} ({ci} {points:g} points)")  # fmt: skip
 
 
 def geo_mean(values: list[float]) -> float:
@@ -677,13 +1001,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--speed-prompts", type=int, default=3, help="speed prompts (0: none)")
     ap.add_argument("--speed-docs", type=int, default=8, help="documents per speed prompt (~3k tokens)")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--no-score", action="store_true",
+                    help="quality: no teacher-forced log P(fact) (one request per prompt, as before)")
     ap.add_argument("--format", choices=FORMATS, default="ids",
                     help="how prompts are sent: token ids, one text string, or the chat API (see above)")
     ap.add_argument("--seed", type=int, default=0, help="document orders")
     ap.add_argument("--no-baseline", action="store_true", help="no full-prefill server (no comparison columns)")
+    ap.add_argument("--concurrency", type=int, default=1,
+                    help="quality: prompts in flight per server (batches the answers' decoding; TTFTs then overlap)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="quality: servers run at once, each vLLM worker bound to a CPU of its own (shortens a "
+                         "quality run; the TTFT columns then measure a shared machine)")
     ap.add_argument("--with-prefix", action="store_true", help="also lmcache without blending (prefix reuse only)")
     ap.add_argument("--chunk-size", type=int, default=256)
-    ap.add_argument("--cpu-gib", type=float, default=2.0, help="max_local_cpu_size")
+    ap.add_argument("--cpu-gib", type=float, default=8.0,
+                    help="max_local_cpu_size (allocated as used): every blended prompt also stores its blend result "
+                         "(~55 MB at 1.2k tokens), and once the tier is full, documents unused for a while are "
+                         "evicted first and their prompts are no longer blended")
     ap.add_argument("--check-layers", type=int, default=1, help="blend_check_layers")
     ap.add_argument("--blend-min-tokens", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the longest prompt (one prefill step)")
@@ -728,11 +1062,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         configs = [BASELINE] * (not args.no_baseline) + [PREFIX] * args.with_prefix
         configs += [ServerConfig.blend(r) for r in ratios]
-        for config in configs:
-            try:
-                runs.append(run_server(model_dir, config, prompts, tokenizer, workdir, args))
-            except Exception as exc:  # one broken server must not lose the others' numbers
-                print(f"  [{config.name}] FAILED: {exc!r}", flush=True)
+        runs = run_servers(model_dir, configs, prompts, tokenizer, workdir, args)
     finally:
         if args.keep_workdir:
             print(f"work directory kept: {workdir}")
@@ -742,13 +1072,19 @@ def main(args: argparse.Namespace) -> int:
         return 1
     base = runs[0] if runs[0].config == BASELINE else None
     rows = [summarize(r, base, prompts) for r in runs]
-    print(f"\n{table(rows)}\n\ntotal {time.perf_counter() - t_all:.0f} s")
+    quality = [quality_row(r, base, prompts) for r in runs if r is not base] if base is not None else []
+    print(f"\n{table(rows)}")
+    if quality:
+        print(f"\npaired with the full prefill (baseline) by question:\n{quality_table(quality)}\n")
+        print("\n".join([*(within(q) for q in quality), *blend_warnings(quality)]))
+    print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     if args.json is not None:
         payload = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "prompts": [asdict(p) | {"ids": None, "tokens": len(p.ids)} for p in prompts],
             "runs": [asdict(r) for r in runs],
             "table": [asdict(r) for r in rows],
+            "quality": [asdict(q) for q in quality],
         }
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"results written to {args.json}")

@@ -12,13 +12,40 @@ MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 
 
 def test_every_fact_in_exactly_one_document():
-    assert len(rag.DOCS) == 8 and len(rag.QUESTIONS) >= 24
+    assert len(rag.DOCS) == 16 and len(rag.DOCS) % rag.GROUP == 0 and len(rag.QUESTIONS) >= 100
     for q in rag.QUESTIONS:
         fact = q.answers[0].lower()
         assert [i for i, d in enumerate(rag.DOCS) if fact in d.lower()] == [q.doc], q
         for alias in q.answers[1:]:  # an alias may be a form the text does not use, never another document's
             assert all(alias.lower() not in d.lower() for i, d in enumerate(rag.DOCS) if i != q.doc), (q, alias)
     assert {q.doc for q in rag.QUESTIONS} == set(range(len(rag.DOCS)))
+
+
+def test_no_answer_is_given_away_by_its_question():
+    """An answer restating the question must not pass the judge."""
+    for q in rag.QUESTIONS:
+        assert all(a.lower() not in q.text.lower() for a in q.answers), q
+    assert len({q.text for q in rag.QUESTIONS}) == len(rag.QUESTIONS)
+
+
+def test_documents_and_questions_are_only_appended():
+    """Tests and earlier measurements use indices: the original eight documents and 28 questions
+    keep theirs (spot checks), and so do their prompts' document orders."""
+    assert rag.DOCS[0].startswith("Brindlemoor is a small market town") and rag.DOCS[7].startswith("The silver-crested")
+    assert rag.QUESTIONS[1].answers[0] == "4,318" and rag.QUESTIONS[16].answers[0] == "87"
+    assert rag.QUESTIONS[23].answers[0] == "780" and rag.QUESTIONS[27].answers[0] == "Harriet Quinlan"
+    # the orders the eight-document set gave (test_blend_real_model_e2e.py relies on them)
+    assert rag.docs_for(16, 4) == [6, 4, 2, 3]
+    assert rag.docs_for(23, 4) == [0, 7, 2, 6]
+    assert rag.docs_for(1, 4) == [1, 2, 0, 5]
+
+
+def test_gold_answer_is_the_question_restated_then_the_fact():
+    for q in rag.QUESTIONS:
+        lead, fact = rag.gold_answer(q)
+        assert lead == q.lead and lead and lead == lead.strip() and fact == " " + q.answers[0]
+        assert rag.judge(lead + fact, q) and not rag.judge(lead, q)  # the lead gives no answer away
+    assert rag.gold_answer(rag.Question("Who?", 0, ("Wren",))) == (rag.ANSWER_LEAD, " Wren")
 
 
 def test_judge_contains_fact_or_alias_case_insensitively():
@@ -47,6 +74,16 @@ def test_docs_for_includes_the_answer_document():
         rag.docs_for(0, 9)
 
 
+def test_docs_for_stays_in_the_answer_documents_group():
+    assert list(rag.group_of(3)) == list(range(8)) and list(rag.group_of(12)) == list(range(8, 16))
+    for i, q in enumerate(rag.QUESTIONS):
+        group = set(rag.group_of(q.doc))
+        assert set(rag.docs_for(i, 4, seed=1)) <= group
+        assert sorted(rag.docs_for(i, rag.GROUP)) == sorted(group)
+    # every group has questions, and every document of it
+    assert {q.doc // rag.GROUP for q in rag.QUESTIONS} == set(range(len(rag.DOCS) // rag.GROUP))
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     if not (MODEL_DIR / "tokenizer.json").exists():
@@ -69,5 +106,11 @@ def test_prompt_is_parts_joined_by_separator(tokenizer):
         assert list(ids[seg.start : seg.start + len(seg.tokens)]) == rag.doc_ids(tokenizer, d)
         assert list(seg.tokens) == rag.doc_ids(tokenizer, d)
     assert all(ids[s.start - len(sep) : s.start] == sep for s in segments[1:])
-    # sizes the benchmark relies on: ~300-450 tokens a document
-    assert all(300 <= len(rag.doc_ids(tokenizer, d)) <= 450 for d in range(len(rag.DOCS)))
+    # a teacher-forced answer's ids are the lead's then the fact's, as the whole answer tokenizes
+    for q in rag.QUESTIONS:
+        lead, fact = rag.gold_answer(q)
+        assert rag.doc_ids(tokenizer, lead + fact) == rag.doc_ids(tokenizer, lead) + rag.doc_ids(tokenizer, fact), q
+    # sizes the benchmark relies on: 360-390 tokens a document (the appended ones 360-380)
+    sizes = [len(rag.doc_ids(tokenizer, d)) for d in range(len(rag.DOCS))]
+    assert all(360 <= n <= 390 for n in sizes), sizes
+    assert all(360 <= n <= 380 for n in sizes[8:]), sizes
