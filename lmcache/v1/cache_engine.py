@@ -99,7 +99,7 @@ class LMCacheEngine:
 
     Keyword arguments of ``store``/``retrieve`` (and the layerwise calls): ``kvcaches``
     (list of per-layer tensors, default: the connector's registered ones),
-    ``slot_mapping`` (1-D int32/int64 tensor, one slot per token; negative = no slot)
+    ``slot_mapping`` (int32/int64, one slot per token, 2-D: a row per KV cache group; negative = no slot)
     and, for the layerwise calls, ``sync`` go to the GPU connector; ``cache_salt``,
     ``request_configs`` and ``extra_keys`` are folded into the chunk keys (the only
     keyword arguments of ``keys``/``lookup_unpin(tokens)``); LMCache 0.5.6's ``req_id``,

@@ -482,12 +482,13 @@ class ChunkHashes:
 
 # ---------------------------------------------------------------------- requests
 class BoundKV(Protocol):
-    """What a request reads of its validated paged KV: the slot of each token and the
-    index of the first unmapped (negative) one. The connectors'
-    :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV` has both."""
+    """What a request reads of its validated paged KV: the slot of each token (1-D; with
+    per-group slot rows, the primary group's row) and the index of the first unmapped
+    (negative) one. The connectors' :class:`~lmcache.v1.gpu_connector.paged_kv.PagedKV`
+    has both."""
 
     @property
-    def slot_mapping(self) -> torch.Tensor: ...
+    def token_slots(self) -> torch.Tensor: ...
 
     @property
     def first_unmapped(self) -> int: ...
@@ -520,10 +521,11 @@ class TransferRequest(Generic[KV]):
         return self.num_tokens - self.mask_start
 
     def mark_written(self, ret: torch.Tensor, lo: int, hi: int) -> None:
-        """Set ``ret[lo:hi]`` True where KV was written: tokens that have a slot (>= 0)."""
+        """Set ``ret[lo:hi]`` True where KV was written: tokens that have a slot (>= 0) in
+        ``kv.token_slots`` (the primary group's row when the KV has per-group slot rows)."""
         kv = self.kv
         assert kv is not None, "only copy requests write KV"
         if kv.first_unmapped >= self.num_tokens:  # no negative slot at all
             ret[lo:hi] = True
         else:
-            ret[lo:hi] = (kv.slot_mapping[lo:hi] >= 0).to("cpu")
+            ret[lo:hi] = (kv.token_slots[lo:hi] >= 0).to("cpu")

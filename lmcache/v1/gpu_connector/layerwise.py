@@ -46,7 +46,7 @@ import torch
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import PagedGeometry
 from lmcache.v1.gpu_connector.paged import PagedKVBase, object_tensor, pool_addresses
-from lmcache.v1.gpu_connector.paged_kv import PagedKV
+from lmcache.v1.gpu_connector.paged_kv import PagedKV, check_layer_groups
 from lmcache.v1.gpu_connector.protocol import LayerCopy, LayerwiseGPUConnectorInterface, LoadGenerator, StoreGenerator
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
@@ -60,6 +60,18 @@ def _check_spans(starts: Sequence[int], ends: Sequence[int]) -> None:
     for s, e in zip(starts, ends):
         if not 0 <= s < e:
             raise ValueError(f"starts/ends: span [{s}, {e}) is empty or negative")
+
+
+_GROUPED_REFUSED = (
+    "slot_mapping: per-group slot rows (hybrid KV cache groups) are not supported by the layerwise "
+    "connector; use the bulk connector (use_layerwise: false)"
+)
+
+
+def _refuse_grouped(kv: PagedKV) -> None:
+    """ValueError for a PagedKV with per-group slot rows (a 2-D slot mapping)."""
+    if kv.layer_groups is not None or kv.slot_mapping.dim() != 1:
+        raise ValueError(f"{_GROUPED_REFUSED} (got shape {tuple(kv.slot_mapping.shape)})")
 
 
 def _contiguous_run(starts: Sequence[int], ends: Sequence[int]) -> bool:
@@ -87,6 +99,29 @@ class LayerwiseGPUConnector(PagedKVBase, LayerwiseGPUConnectorInterface):
     def get_shape(self, num_tokens: int) -> torch.Size:
         """``[num_kv, 1, num_tokens, hidden]``: one layer of one chunk (num_kv is 1 for MLA)."""
         return torch.Size([self.num_kv, 1, num_tokens, self.hidden_dim_size])
+
+    def set_layer_groups(self, groups: Sequence[int] | None, primary: int = 0) -> None:
+        """Only one group (or None): the layerwise connector copies every layer with one slot row."""
+        if groups is not None:
+            checked, num_groups = check_layer_groups(groups, primary, self.num_layers)
+            if num_groups > 1:
+                raise ValueError(f"groups={checked}: {num_groups} KV cache groups; {_GROUPED_REFUSED}")
+        super().set_layer_groups(groups, primary)
+
+    def bind(
+        self,
+        num_tokens: int,
+        *,
+        kvcaches: Sequence[torch.Tensor] | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        sync: bool = True,
+    ) -> PagedKV:
+        """:meth:`PagedKVBase.bind`, refusing a 2-D (per-group) slot mapping."""
+        if isinstance(slot_mapping, torch.Tensor) and slot_mapping.dim() == 2:
+            raise ValueError(f"{_GROUPED_REFUSED} (got shape {tuple(slot_mapping.shape)})")
+        kv = super().bind(num_tokens, kvcaches=kvcaches, slot_mapping=slot_mapping, sync=sync)
+        _refuse_grouped(kv)
+        return kv
 
     # ------------------------------------------------------------------ helpers
     def _kernel_view(self, obj: MemoryObj, start: int, end: int) -> torch.Tensor:
@@ -178,6 +213,7 @@ class LayerwiseGPUConnector(PagedKVBase, LayerwiseGPUConnectorInterface):
             if len(objs) != n:
                 raise ValueError(f"objs_per_layer[{layer}]: expected {n} objects, got {len(objs)}")
         kv = self._bound(kv, ends, kwargs)
+        _refuse_grouped(kv)
         return self._from_gpu_steps(
             list(kv.kvcaches), kv.slot_mapping, kv.geometry, objs_per_layer, list(starts), list(ends), kv.sync
         )
@@ -213,6 +249,7 @@ class LayerwiseGPUConnector(PagedKVBase, LayerwiseGPUConnectorInterface):
         """
         _check_spans(starts, ends)
         kv = self._bound(kv, ends, kwargs)
+        _refuse_grouped(kv)
         return self._to_gpu_steps(list(kv.kvcaches), kv.slot_mapping, kv.geometry, list(starts), list(ends), kv.sync)
 
     def _to_gpu_steps(self, kvcaches, slots, geom, starts, ends, sync) -> LoadGenerator:

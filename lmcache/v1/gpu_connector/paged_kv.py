@@ -7,8 +7,21 @@
   connector in a :class:`GeometryCache`).
 * :func:`check_slot_mapping` - a slot mapping (int32/int64, inside the paged cache's
   capacity) and the index of its first unmapped (negative) slot.
+* :func:`check_layer_groups` / :func:`layer_runs` - a layer -> KV cache group assignment
+  (vLLM's hybrid KV cache manager) and each group's layers as strided runs.
 * :class:`PagedKV` - the result: the validated tensors, slots and geometry of one call,
   built by a connector's ``bind`` and carried by the engine's ``TransferRequest``.
+
+Layer groups: with vLLM's hybrid KV cache manager the layers fall into KV cache groups
+(e.g. sliding-window layers and full-attention layers). Every layer tensor has the same
+shape and strides, but each group has its own block table, so a token's slot depends on
+the group of the layer being copied. The slot mapping is then 2-D, one row per group
+(``slot_mapping[g, t]``: the slot of token ``t`` in the layers of group ``g``). One row is
+the *primary* one: it says which tokens a call covers (``PagedKV.token_slots``,
+``PagedKV.first_unmapped``). A negative slot in another row means that group does not
+hold the token (e.g. a sliding-window group whose blocks vLLM freed): loads skip it, and
+a store refuses any chunk containing one (it would cache KV that is not there). A 1-D
+mapping means every group shares one row (the single-group path, unchanged).
 
 Bad input raises ``TypeError`` (wrong type) or ``ValueError`` (wrong value). The copy
 paths trust a :class:`PagedKV` (the native kernels still bound-check their run ends).
@@ -20,6 +33,8 @@ the caller's tensors for the duration of the call only.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +59,10 @@ class PagedKVSpec:
     layout: KVLayout | None  # None: detected from the rank
 
 
+LayerRun = tuple[int, int, int]
+"""``(start, stop, step)``: the layers ``range(start, stop, step)``, as a slice of the layer list."""
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """Validated paged KV tensors and slot mapping of one call.
@@ -51,7 +70,12 @@ class PagedKV:
     Every layer has the same shape, strides, dtype and device (checked), so
     ``geometry`` describes each of them; ``capacity`` (blocks x block size) bounds every
     slot. ``slot_mapping`` is the caller's tensor moved to the KV device (int32 or
-    int64). ``first_unmapped`` is the index of the first negative slot (or its length).
+    int64): 1-D (one slot per token, every layer), or 2-D ``[G, >= tokens]`` with one row
+    per KV cache group, in which case ``layer_groups[l]`` is the group (row) of layer
+    ``l`` and ``primary`` the row that says which tokens the call covers (see the module
+    docstring). ``layer_groups`` is set exactly when ``slot_mapping`` is 2-D.
+    ``first_unmapped`` is the index of the first negative slot of :attr:`token_slots`
+    (or the token count); ``group_first_unmapped`` the same per row (2-D only, else ``()``).
     """
 
     kvcaches: tuple[torch.Tensor, ...]
@@ -59,10 +83,25 @@ class PagedKV:
     geometry: PagedGeometry
     first_unmapped: int
     sync: bool = True
+    layer_groups: tuple[int, ...] | None = None
+    primary: int = 0
+    group_first_unmapped: tuple[int, ...] = ()
 
     @property
     def capacity(self) -> int:
         return self.geometry.num_blocks * self.geometry.block_size
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the layers use per-group slot rows (a 2-D ``slot_mapping``)."""
+        return self.layer_groups is not None
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        """The 1-D slot of each token: the primary row of a 2-D mapping, else the mapping itself."""
+        if self.layer_groups is None:
+            return self.slot_mapping
+        return self.slot_mapping[self.primary]
 
 
 class GeometryCache:
@@ -158,3 +197,88 @@ def check_slot_mapping(slot_mapping: object, n: int, capacity: int, device: torc
     if slot_mapping.device != device:
         slot_mapping = slot_mapping.to(device)
     return slot_mapping, first_neg
+
+
+def check_layer_groups(groups: object, primary: object, num_layers: int) -> tuple[tuple[int, ...], int]:
+    """Validate a layer -> group assignment; returns ``(groups as a tuple, number of groups)``.
+
+    ``groups[l]`` is the group index of layer ``l``: ``num_layers`` ints, every index in
+    ``0..G-1`` used at least once; ``primary`` must be one of them. Raises TypeError /
+    ValueError naming the argument, the value and what was expected.
+    """
+    if isinstance(groups, (str, bytes, torch.Tensor, np.ndarray)) or not isinstance(groups, Sequence):
+        raise TypeError(f"groups={groups!r}: expected a sequence of ints (the KV cache group of each layer)")
+    out = []
+    for i, g in enumerate(groups):
+        if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+            raise TypeError(f"groups[{i}]={g!r}: expected an int (a KV cache group index)")
+        out.append(operator.index(g))
+    if len(out) != num_layers:
+        raise ValueError(f"groups: {len(out)} entries {tuple(out)}; expected one per layer ({num_layers})")
+    if any(g < 0 for g in out):
+        raise ValueError(f"groups={tuple(out)}: negative group index; expected indices 0..G-1")
+    num_groups = max(out) + 1
+    unused = sorted(set(range(num_groups)) - set(out))
+    if unused:
+        raise ValueError(
+            f"groups={tuple(out)}: group(s) {unused} have no layer; expected every index in 0..{num_groups - 1} used"
+        )
+    if isinstance(primary, bool) or not isinstance(primary, (int, np.integer)):
+        raise TypeError(f"primary={primary!r}: expected an int (a KV cache group index)")
+    if not 0 <= primary < num_groups:
+        raise ValueError(f"primary={primary}: expected a group index in 0..{num_groups - 1} (groups={tuple(out)})")
+    return tuple(out), num_groups
+
+
+@functools.lru_cache(maxsize=64)
+def layer_runs(groups: tuple[int, ...]) -> tuple[tuple[LayerRun, ...], ...]:
+    """For each group ``g`` (0..G-1) its layers as maximal arithmetic runs ``(start, stop, step)``,
+    taken greedily in layer order: ``[0, 2, 4]`` -> ``((0, 5, 2),)``, ``[0, 1, 3]`` ->
+    ``((0, 2, 1), (3, 4, 1))``. ``kvcaches[start:stop:step]`` and ``mem[:, start:stop:step]``
+    select exactly a run's layers. ``groups`` must be valid (:func:`check_layer_groups`)."""
+    num_groups = max(groups) + 1 if groups else 0
+    out = []
+    for g in range(num_groups):
+        layers = [layer for layer, lg in enumerate(groups) if lg == g]
+        runs: list[LayerRun] = []
+        i = 0
+        while i < len(layers):
+            start = layers[i]
+            if i + 1 == len(layers):
+                runs.append((start, start + 1, 1))
+                break
+            step = layers[i + 1] - start
+            j = i + 1
+            while j + 1 < len(layers) and layers[j + 1] - layers[j] == step:
+                j += 1
+            runs.append((start, layers[j] + 1, step))
+            i = j + 1
+        out.append(tuple(runs))
+    return tuple(out)
+
+
+def check_group_slot_mapping(
+    slot_mapping: torch.Tensor, num_groups: int, n: int, capacity: int, device: torch.device
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Validate a 2-D per-group slot mapping ``[num_groups, >= n]`` (int32/int64); returns
+    (slots on ``device``, first negative index of each row). Each row is checked as
+    :func:`check_slot_mapping` checks a 1-D mapping."""
+    if slot_mapping.dtype not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping: dtype {slot_mapping.dtype}; expected torch.int32 or torch.int64")
+    shape = tuple(slot_mapping.shape)
+    if slot_mapping.dim() != 2 or shape[0] != num_groups or shape[1] < n:
+        raise ValueError(
+            f"slot_mapping: shape {shape}; expected [{num_groups}, >= {n}] (one row per KV cache group, "
+            f"one slot per token) or a 1-D tensor shared by every group"
+        )
+    firsts = []
+    for g in range(num_groups):
+        try:
+            _, first_neg = check_slot_mapping(slot_mapping[g], n, capacity, slot_mapping.device)
+        except ValueError as exc:
+            detail = str(exc).removeprefix("slot_mapping: ")
+            raise ValueError(f"slot_mapping row {g} (KV cache group {g}): {detail}") from None
+        firsts.append(first_neg)
+    if slot_mapping.device != device:
+        slot_mapping = slot_mapping.to(device)
+    return slot_mapping, tuple(firsts)
