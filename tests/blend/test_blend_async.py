@@ -32,7 +32,7 @@ def serve_async(mini: MiniBlendVLLM, req: FakeRequest, *, fail: bool = False) ->
     if not load_async:
         return {"async": False, **mini.serve(req)}
     blocks, mini.free = mini.free[: -(-(n + 1) // BLOCK)], mini.free[-(-(n + 1) // BLOCK) :]
-    mini.scheduler.update_state_after_alloc(req, external, _Blocks(blocks).get_block_ids()[0])
+    mini.scheduler.update_state_after_alloc(req, external, _Blocks(blocks).get_block_ids())
     steps, finished, errors = 0, set(), set()
     while req.request_id not in finished:
         steps += 1

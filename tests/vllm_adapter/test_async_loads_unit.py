@@ -23,7 +23,7 @@ def test_an_accepted_async_offer_is_a_load_in_the_next_metadata_only():
     assert planner.offer(req, 0, 64) == 64
     planner.get("r").async_offer = True
     blocks = list(range(20, 29))
-    assert planner.on_alloc(req, 64, blocks)
+    assert planner.on_alloc(req, 64, [blocks])
     (meta,) = planner.build(sched_output())  # the request is not scheduled: it waits
     assert meta.load_async and meta.load == LoadSpec(0, 64, 64) and meta.save is None
     assert list(meta.slot_mapping[:3]) == [160, 161, 162] and len(meta.token_ids) == 64
@@ -37,10 +37,10 @@ def test_a_synchronous_offer_and_a_refused_async_offer_stay_synchronous():
     planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
     req = FakeRequest("r", list(range(100, 170)))
     planner.offer(req, 0, 64)
-    assert not planner.on_alloc(req, 64, list(range(9)))  # not offered asynchronously
+    assert not planner.on_alloc(req, 64, [list(range(9))])  # not offered asynchronously
     planner.offer(req, 0, 64)
     planner.get("r").async_offer = True
-    assert not planner.on_alloc(req, 0, list(range(9)))  # vLLM took nothing
+    assert not planner.on_alloc(req, 0, [list(range(9))])  # vLLM took nothing
     assert planner.build(sched_output()) == []
 
 
@@ -50,7 +50,7 @@ def test_a_request_finished_before_the_metadata_still_reaches_the_worker():
     req = FakeRequest("gone", list(range(100, 170)))
     planner.offer(req, 0, 48)
     planner.get("gone").async_offer = True
-    planner.on_alloc(req, 48, list(range(9)))
+    planner.on_alloc(req, 48, [list(range(9))])
     planner.finish("gone")
     (meta,) = planner.build(sched_output())
     assert meta.req_id == "gone" and meta.load_async

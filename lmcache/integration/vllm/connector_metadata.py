@@ -98,7 +98,8 @@ class ReqMeta:
 
     ``token_ids`` and ``slot_mapping`` cover the first ``max(load_len, save.end)``
     tokens. ``slot_mapping[i] = block_id * block_size + offset``; -1 where no block is
-    allocated. ``key_extras`` go into the chunk keys (``cache_salt``, ``extra_keys``).
+    allocated. With several KV cache groups (vLLM's hybrid KV cache manager) it has one
+    row per group (``[groups, tokens]``; each layer uses its group's row). ``key_extras`` go into the chunk keys (``cache_salt``, ``extra_keys``).
     ``invalid_block_ids``: blocks vLLM counts as loaded but the scheduler side could
     not plan a load for; the worker reports them as load errors (recompute).
     ``durable``: a decoder waits for this save (disaggregated prefill): the worker's
@@ -115,6 +116,9 @@ class ReqMeta:
     ``load_async``: the request waits in vLLM while its hit is prefetched into the CPU tier and
     then copied (``enable_async_loading``, :mod:`.async_loads`); the worker reports it in
     ``get_finished``. It is not part of this step's forward.
+    ``load_failed``: the scheduler side could not plan this (asynchronous) load; the worker
+    reports the whole request failed (several KV cache groups: vLLM takes no block-level
+    failures there, and recomputes the request from its start).
     """
 
     req_id: str
@@ -132,6 +136,7 @@ class ReqMeta:
     load_result: bool = False
     result_save: SaveSpec | None = None
     load_async: bool = False
+    load_failed: bool = False
 
     @property
     def load_key_extras(self) -> dict[str, Any]:

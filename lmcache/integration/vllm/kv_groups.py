@@ -1,25 +1,31 @@
 """Which attention layouts the connector can serve: vLLM's KV cache groups, read once.
 
 vLLM groups a model's layers by the kind of KV they keep (``kv_cache_config.
-kv_cache_groups``, one ``KVCacheGroupSpec`` per group). lmcache stores one chunk
-format for every layer, so it serves models whose layers end up in **one** group of a
-kind it understands:
+kv_cache_groups``, one ``KVCacheGroupSpec`` per group, each with its own block table).
+lmcache stores one chunk entry holding every layer's KV, and serves:
 
-* ``FullAttentionSpec``: every token's KV stays in its blocks until the request ends.
-* ``SlidingWindowSpec``: an all-sliding-window model (every layer windowed). vLLM frees
-  the blocks that fall out of the window (``remove_skipped_blocks``, run when the next
-  step is scheduled), and a request admitted with cached tokens gets *null* blocks for
-  the part of its prefix already out of the window. Those blocks hold nothing (or
-  another request's KV): the planner never reads or writes through them
-  (:class:`WindowRule`).
-* ``MLAAttentionSpec``: the latent KV of MLA models (one tensor per layer).
+* one group of ``FullAttentionSpec``: every token's KV stays in its blocks until the
+  request ends;
+* one group of ``SlidingWindowSpec``: an all-sliding-window model (every layer windowed).
+  vLLM frees the blocks that fall out of the window (``remove_skipped_blocks``, run when
+  the next step is scheduled), and a request admitted with cached tokens gets *null*
+  blocks for the part of its prefix already out of the window. Those blocks hold nothing
+  (or another request's KV): the planner never reads or writes through them
+  (:class:`WindowRule`);
+* one group of ``MLAAttentionSpec``: the latent KV of MLA models (one tensor per layer);
+* **several groups** (vLLM's hybrid KV cache manager, HMA, kept on because the connector
+  implements ``SupportsHMA``): sliding-window layers mixed with full-attention ones
+  (Gemma 2/3, gpt-oss, Cohere 2...). Each group's layers use their group's block table
+  (the slot mapping has one row per group, :func:`group_slot_mapping`); a sliding group
+  follows its own :class:`WindowRule`, full-attention groups keep everything. At least
+  one group must be full attention (its row is the *primary* one: it says which tokens a
+  copy covers), every group the same block size.
 
-Models whose sliding-window layers are mixed with full-attention ones (Gemma 3,
-gpt-oss) arrive here as one full-attention group: a connector without vLLM's hybrid
-allocator interface makes vLLM keep full KV for every layer. Everything else (Mamba /
-linear-attention state, cross-attention, chunked-local or sink attention, several
-groups) is refused at start-up with one line naming the model's layer kinds, instead of
-a cache that would serve wrong KV.
+With vLLM's built-in connector name (its wrapper does not declare ``SupportsHMA``) vLLM
+turns HMA off and a mixed model arrives as one full-attention group, as before.
+Everything else (Mamba / linear-attention state, cross-attention, chunked-local or sink
+attention, MLA mixed with others) is refused at start-up with one line naming the
+model's layer kinds, instead of a cache that would serve wrong KV.
 
 Only the adapter reads vLLM objects; this module uses attribute access and class
 names (duck typing), so unit tests pass small fakes.
@@ -32,7 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_KINDS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
-SUPPORTED_TEXT = "full attention, all-sliding-window attention, MLA, or sliding + full attention mixed (one group)"
+HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
+"""Kinds of the groups of a hybrid (several-group) layout."""
+SUPPORTED_TEXT = (
+    "full attention, all-sliding-window attention, MLA, or sliding-window + full attention mixed "
+    "(several KV cache groups, one of them full attention)"
+)
 
 
 class UnsupportedModelError(ValueError):
@@ -71,21 +82,70 @@ class WindowRule:
 
 
 @dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV cache groups (hybrid layouts): its kind, window and layers."""
+
+    kind: str
+    """``FullAttentionSpec`` or ``SlidingWindowSpec``."""
+    sliding_window: int | None
+    layer_names: tuple[str, ...]
+
+    def window_rule(self, block_size: int) -> WindowRule | None:
+        return None if self.sliding_window is None else WindowRule(self.sliding_window, block_size)
+
+
+@dataclass(frozen=True, slots=True)
 class KVGroups:
     """What the connector knows of vLLM's KV cache groups."""
 
     kind: str
-    """Class name of the single group's spec (one of :data:`SUPPORTED_KINDS`)."""
+    """Class name of the single group's spec (one of :data:`SUPPORTED_KINDS`); ``"hybrid"``
+    with several groups."""
     sliding_window: int | None = None
-    """Tokens in the window when the group is ``SlidingWindowSpec``, else None."""
+    """Tokens in the window when the single group is ``SlidingWindowSpec``, else None."""
+    groups: tuple[KVGroup, ...] = ()
+    """Several groups (vLLM's hybrid KV cache manager), in vLLM's order; empty for one group."""
+    block_size: int | None = None
+    """The groups' common block size (hybrid layouts; vLLM may pick it apart from the cache config's)."""
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def primary(self) -> int:
+        """The group whose slot row says which tokens a copy covers: the first full-attention group."""
+        return next((i for i, g in enumerate(self.groups) if g.sliding_window is None), 0)
 
     def describe(self) -> str:
+        if self.hybrid:
+            parts = [
+                f"{len(g.layer_names)} x {g.kind}" + (f"(window={g.sliding_window})" if g.sliding_window else "")
+                for g in self.groups
+            ]
+            return f"hybrid KV cache groups [{', '.join(parts)}]"
         if self.sliding_window is None:
             return self.kind
         return f"{self.kind}(window={self.sliding_window})"
 
     def window_rule(self, block_size: int) -> WindowRule | None:
+        """The block-freeing rule of a single all-sliding-window group (None otherwise)."""
         return None if self.sliding_window is None else WindowRule(self.sliding_window, block_size)
+
+    def group_windows(self, block_size: int) -> tuple[WindowRule | None, ...]:
+        """Each group's rule (hybrid layouts; None for a full-attention group)."""
+        return tuple(g.window_rule(block_size) for g in self.groups)
+
+    def layer_groups(self, layer_names: Iterable[str]) -> tuple[int, ...]:
+        """The group index of each of ``layer_names`` (hybrid layouts); ValueError for a
+        layer no group names."""
+        where = {name: i for i, g in enumerate(self.groups) for name in g.layer_names}
+        out = []
+        for name in layer_names:
+            if name not in where:
+                raise ValueError(f"KV layer {name!r} is in none of vLLM's KV cache groups ({self.describe()})")
+            out.append(where[name])
+        return tuple(out)
 
 
 def _spec_kinds(spec: Any) -> list[tuple[str, Any]]:
@@ -116,10 +176,7 @@ def read_kv_groups(kv_cache_config: Any, model: str = "the model") -> KVGroups:
     if not groups:
         return KVGroups("FullAttentionSpec")
     if len(groups) > 1:
-        raise UnsupportedModelError(
-            f"{model}: vLLM keeps its KV in {len(groups)} cache groups ({_layer_kinds(groups)}); lmcache supports "
-            f"one group: {SUPPORTED_TEXT}. Serve this model without the lmcache connector."
-        )
+        return _read_hybrid(groups, model)
     kinds = _spec_kinds(groups[0].kv_cache_spec)
     names = {k for k, _ in kinds}
     bad = sorted(names - set(SUPPORTED_KINDS))
@@ -138,12 +195,47 @@ def read_kv_groups(kv_cache_config: Any, model: str = "the model") -> KVGroups:
     return KVGroups(kind, windows.pop())
 
 
+def _read_hybrid(groups: list[Any], model: str) -> KVGroups:
+    """Several groups (vLLM's hybrid KV cache manager): sliding-window and full attention only."""
+    out = []
+    block_sizes = set()
+    for group in groups:
+        kinds = _spec_kinds(group.kv_cache_spec)
+        names = {k for k, _ in kinds}
+        if len(names) != 1 or not names <= set(HYBRID_KINDS):
+            raise UnsupportedModelError(
+                f"{model}: vLLM keeps its KV in {len(groups)} cache groups ({_layer_kinds(groups)}); with several "
+                f"groups lmcache supports sliding-window and full attention only (not Mamba/linear-attention state, "
+                "MLA, cross-attention, chunked-local or sink attention). Serve this model without the lmcache "
+                "connector."
+            )
+        kind = names.pop()
+        window = None
+        if kind == "SlidingWindowSpec":
+            windows = {int(s.sliding_window) for _, s in kinds}
+            if len(windows) > 1:
+                raise UnsupportedModelError(f"{model}: sliding windows of different sizes {sorted(windows)} in one group")
+            window = windows.pop()
+        block_sizes.update(int(getattr(s, "block_size", 0)) for _, s in kinds)
+        out.append(KVGroup(kind, window, tuple(getattr(group, "layer_names", None) or ())))
+    if all(g.sliding_window is not None for g in out):
+        raise UnsupportedModelError(
+            f"{model}: {len(out)} sliding-window KV cache groups and no full-attention one ({_layer_kinds(groups)}); "
+            f"lmcache supports {SUPPORTED_TEXT}. Serve this model without the lmcache connector."
+        )
+    if len(block_sizes) > 1:
+        raise UnsupportedModelError(
+            f"{model}: KV cache groups with different block sizes {sorted(block_sizes)}; lmcache needs one block size"
+        )
+    return KVGroups("hybrid", None, tuple(out), block_sizes.pop() or None)
+
+
 def refuse_unsupported_model(vllm_config: Any) -> None:
     """Early check from the model config alone (before vLLM builds its cache groups).
 
-    vLLM rejects a hybrid model (Mamba / linear attention + attention) for a connector
-    without its hybrid-allocator interface with an error that does not say why; this
-    names the reason first. Raises :class:`UnsupportedModelError`.
+    A hybrid model with recurrent layers (Mamba / linear attention + attention) keeps state
+    lmcache does not store: refused here, naming the layer types, before vLLM allocates
+    anything. Raises :class:`UnsupportedModelError`.
     """
     model = getattr(vllm_config, "model_config", None)
     if model is None:

@@ -32,7 +32,9 @@ from lmcache.integration.vllm.vllm_compat import (
     KVConnectorKVEvents,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVEventAggregator,
+    SupportsHMA,
     check_vllm_version,
     connector_output_events,
 )
@@ -84,12 +86,14 @@ class LMCacheConnectorKVEvents(KVConnectorKVEvents):
         self._agg.reset_workers()
 
 
-class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
+class LMCacheConnectorV1Dynamic(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by lmcache (loadable via ``kv_connector_module_path``).
 
     Unlike vLLM's built-in wrapper it forwards vLLM's connector-metrics hooks, so the
     ``lmcache_*`` metrics appear in vLLM's ``/metrics`` with nothing to set
-    (:mod:`.metrics`, route a).
+    (:mod:`.metrics`, route a), and it declares ``SupportsHMA``: vLLM keeps its hybrid KV
+    cache manager on, so a model mixing sliding-window and full attention keeps only the
+    window's blocks for its sliding layers (:mod:`.kv_groups`).
     """
 
     forwards_connector_stats = True
@@ -139,6 +143,15 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._impl.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, plus the asynchronous loads that failed as a whole (several KV
+        cache groups: vLLM then recomputes those requests from their start)."""
+        sending, recving = self._impl.get_finished(finished_req_ids)
+        failed = self._impl.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()) | failed, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._impl.get_block_ids_with_load_errors()
@@ -225,7 +238,7 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
         return self._impl.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens and blocks is not None else None
+        block_ids = blocks.get_block_ids() if num_external_tokens and blocks is not None else None
         self._impl.update_state_after_alloc(request, num_external_tokens, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -233,3 +246,10 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._impl.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid KV cache manager on (every request, one block list per
+        group): saves are synchronous, so this is :meth:`request_finished`."""
+        return self._impl.request_finished(request, block_ids[0] if block_ids else [])

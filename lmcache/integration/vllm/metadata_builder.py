@@ -123,6 +123,11 @@ class AdapterSettings:
         return self.use_mla and self.device == "cpu"
 
     @property
+    def hybrid(self) -> bool:
+        """vLLM keeps the KV in several cache groups (its hybrid KV cache manager)."""
+        return self.kv_groups.hybrid
+
+    @property
     def window(self) -> WindowRule | None:
         """vLLM's block-freeing rule when every layer is sliding-window, else None."""
         return self.kv_groups.window_rule(self.block_size)
@@ -199,8 +204,11 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         if not config.save_unfull_chunk:
             logger.info("lmcache: enable_pd stores whole prompts, partial last chunk included (save_unfull_chunk)")
             config.save_unfull_chunk = True
+    if kv_groups.hybrid:
+        check_hybrid(config, kv_groups, str(model.model))
     if config.enable_blending:
-        check_blending(vllm_config, config, use_mla=use_mla, window=kv_groups.window_rule(1) is not None)
+        window = kv_groups.hybrid or kv_groups.window_rule(1) is not None
+        check_blending(vllm_config, config, use_mla=use_mla, window=window)
     if use_mla and device == "cpu" and not config.save_unfull_chunk:
         logger.info("lmcache: MLA on CPU reuses whole prompts only; storing exact prompt tails (save_unfull_chunk)")
         config.save_unfull_chunk = True
@@ -209,7 +217,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         engine_id=str(ktc.engine_id),
         model_name=config.model_namespace or str(model.model),
         world_size=int(parallel.tensor_parallel_size),
-        block_size=int(vllm_config.cache_config.block_size),
+        block_size=kv_groups.block_size or int(vllm_config.cache_config.block_size),
         enable_load=role in ("kv_both", "kv_consumer"),
         enable_save=role in ("kv_both", "kv_producer"),
         kv_dtype=kv_cache_dtype(vllm_config),
@@ -224,6 +232,18 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         save_only_first_rank=use_mla if first_rank_only is None else first_rank_only,
         pd=pd,
     )
+
+
+def check_hybrid(config: LMCacheEngineConfig, kv_groups: KVGroups, model: str) -> None:
+    """Options that do not work with several KV cache groups (vLLM's hybrid KV cache
+    manager): a clear ConfigError at start-up naming the option (blending is turned off by
+    :func:`check_blending`, as for any sliding-window model)."""
+    if config.use_layerwise:
+        raise ConfigError(
+            f"use_layerwise: true is not supported for {model}, whose KV vLLM keeps in several cache groups "
+            f"({kv_groups.describe()}): layerwise copies use one slot mapping for every layer. Set "
+            "use_layerwise: false, or start vLLM with --disable-hybrid-kv-cache-manager."
+        )
 
 
 BLEND_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -54,6 +54,16 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, num_tokens: int) -> 
     return out
 
 
+def group_slot_mapping(block_ids: Sequence[Sequence[int]], block_size: int, num_tokens: int) -> np.ndarray:
+    """:func:`slot_mapping` of each KV cache group's blocks: 1-D for one group, else one row
+    per group (``[groups, num_tokens]``; vLLM's hybrid KV cache manager)."""
+    if len(block_ids) == 1:
+        return slot_mapping(block_ids[0], block_size, num_tokens)
+    if not block_ids:
+        raise ValueError("block_ids: expected one block list per KV cache group, got none")
+    return np.stack([slot_mapping(ids, block_size, num_tokens) for ids in block_ids])
+
+
 def blocks_of_tokens(slots: np.ndarray | torch.Tensor, block_size: int, start: int, end: int) -> set[int]:
     """Block ids holding tokens ``[start, end)`` (from their slots; negative slots ignored)."""
     part = np.asarray(slots[start:end])

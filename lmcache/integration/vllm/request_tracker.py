@@ -23,6 +23,14 @@ a hit is offered only up to the length vLLM admits without null blocks
 save drops the chunks that started before the first live block (none when the window is
 at least a chunk long).
 
+Several KV cache groups (vLLM's hybrid KV cache manager, ``PlannerConfig.group_windows``):
+the tracker follows each group's block list and the slot mapping has one row per group;
+a sliding group's row is -1 where vLLM freed (or never allocated: null blocks) its blocks,
+and saves drop the chunks any sliding group already freed. vLLM cannot take block-level
+load failures with several groups, so every hit is loaded asynchronously (the request
+waits; a failure is reported for the whole request, which vLLM then recomputes from its
+start): there is no admission cap for the window.
+
 A preempted request comes back through 1-3 (vLLM resets its computed tokens), so its
 prompt chunks are loaded again instead of recomputed. Prompt tokens are saved: complete
 chunks, plus the prompt's last, partial chunk once the prompt is complete when
@@ -45,7 +53,7 @@ from lmcache.integration.vllm.connector_metadata import BlendSpec, LoadSpec, Req
 from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.pd import BadTransferParams, PDPolicy, PDRequest, read_transfer_params
-from lmcache.integration.vllm.request_inputs import request_key_extras, slot_mapping
+from lmcache.integration.vllm.request_inputs import group_slot_mapping, request_key_extras
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +100,8 @@ class RequestTracker:
     """vLLM's ``Request`` (live object: ``all_token_ids`` grows as tokens are sampled)."""
     prompt_len: int
     key_extras: dict[str, Any]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])
+    """The request's block ids, one list per KV cache group (one group unless hybrid)."""
     num_hit: int = 0
     """Tokens the last lookup found cached (chunk-aligned, or the prompt end)."""
     pending_external: int = 0
@@ -156,11 +165,23 @@ class PlannerConfig:
     window: WindowRule | None = None
     """Set for an all-sliding-window model: which blocks vLLM keeps (see :meth:`RequestPlanner.offer`
     and :meth:`RequestPlanner._plan`)."""
+    group_windows: tuple[WindowRule | None, ...] = ()
+    """Several KV cache groups (vLLM's hybrid KV cache manager): each group's window rule
+    (None: full attention). Empty for one group."""
     pd: PDPolicy | None = None
     """Which ``kv_transfer_params`` to honour (``enable_pd``; None: off): a prefiller's saves
     are made durable, a decoder waits for signed announced KV."""
     blend: bool = False
     """Blending on: complete prompts store their segments; blended prompts store exact chunks only."""
+
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.group_windows) > 1
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.group_windows))
 
 
 class RequestPlanner:
@@ -266,7 +287,8 @@ class RequestPlanner:
             tracker.pending_external = 0
             return max(0, blend.num_tokens - num_computed)
         window = self.config.window
-        if window is not None:  # no null blocks: a failed load must stay recomputable
+        if window is not None:  # no null blocks: a failed load must stay recomputable (hybrid
+            # layouts load asynchronously and recompute a failed request from its start)
             num_hit = min(num_hit, window.max_admitted)
         n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
         if self.config.whole_prompt_only and usable_hit(n, num_hit) < n - 1:
@@ -275,10 +297,11 @@ class RequestPlanner:
         tracker.pending_external = 0
         return external_tokens(n, num_computed, num_hit)
 
-    def on_alloc(self, request: Any, num_external: int, block_ids: Sequence[int] | None = None) -> bool:
+    def on_alloc(self, request: Any, num_external: int, block_ids: Sequence[Sequence[int]] | None = None) -> bool:
         """vLLM allocated blocks and uses ``num_external`` of the offered tokens. An
-        asynchronous offer (``block_ids``: the request's blocks, as vLLM's scheduler passes
-        them) becomes a load in the next connector metadata; returns whether it did."""
+        asynchronous offer (``block_ids``: the request's blocks, one list per KV cache group,
+        as vLLM's scheduler passes them) becomes a load in the next connector metadata;
+        returns whether it did."""
         tracker = self.track(request)
         if tracker is None:
             return False
@@ -296,7 +319,7 @@ class RequestPlanner:
             tracker.async_load = LoadSpec(
                 tracker.offered_after, num_external, load_length(end, tracker.num_hit, self.config.chunk_size)
             )
-        tracker.block_ids = list(block_ids)
+        tracker.block_ids = self._group_lists(block_ids)
         tracker.pending_external = 0
         tracker.blended = blend
         tracker.save_blended = blend is not None
@@ -314,7 +337,7 @@ class RequestPlanner:
             tracker = self._trackers.get(new.req_id)
             if tracker is None:
                 continue
-            tracker.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            tracker.block_ids = self._group_lists(new.block_ids)
             self._plan_safely(tracker, new.num_computed_tokens, num_sched.get(new.req_id, 0), out)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
@@ -325,11 +348,54 @@ class RequestPlanner:
             new_blocks = cached.new_block_ids[i]
             if req_id in resumed:
                 self.counters["resumed_requests"] += 1
-                tracker.block_ids = list(new_blocks[0]) if new_blocks else []
+                tracker.block_ids = self._group_lists(new_blocks)
             elif new_blocks:
-                tracker.block_ids.extend(new_blocks[0])
+                for ids, more in zip(tracker.block_ids, self._group_lists(new_blocks)):
+                    ids.extend(more)
             self._plan_safely(tracker, cached.num_computed_tokens[i], num_sched.get(req_id, 0), out)
         return out
+
+    def _group_lists(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        """vLLM's per-group block ids as one list per group this planner follows (ValueError
+        when vLLM passes another number of groups than it announced)."""
+        n = self.config.num_groups
+        if not block_ids:
+            return [[] for _ in range(n)]
+        if len(block_ids) != n:
+            raise ValueError(f"block_ids: {len(block_ids)} KV cache groups, expected {n}")
+        return [list(ids) for ids in block_ids]
+
+    def _slots(self, tracker: RequestTracker, n: int, num_computed: int) -> np.ndarray:
+        """The slot mapping of ``tracker``'s first ``n`` tokens (one row per group when hybrid),
+        -1 in blocks vLLM freed from a sliding window once ``num_computed`` tokens are
+        computed (or never allocated: null blocks): the ids we saw may hold other requests'
+        KV now."""
+        cfg = self.config
+        slots = group_slot_mapping(tracker.block_ids, cfg.block_size, n)
+        if cfg.hybrid:
+            for g, rule in enumerate(cfg.group_windows):
+                if rule is not None:
+                    slots[g, : rule.live_start(num_computed)] = -1
+        elif cfg.window is not None:
+            slots[: cfg.window.live_start(num_computed)] = -1
+        return slots
+
+    def _live_start(self, num_computed: int) -> int:
+        """The first token every group still holds once ``num_computed`` tokens are computed."""
+        cfg = self.config
+        rules = cfg.group_windows if cfg.hybrid else (cfg.window,)
+        return max((r.live_start(num_computed) for r in rules if r is not None), default=0)
+
+    def _failed_meta(self, tracker: RequestTracker, first: int, end: int, *, load_async: bool) -> ReqMeta:
+        """The metadata of a load the scheduler side could not plan: its blocks for tokens
+        ``[first, end)`` are reported as failed loads (recomputed); with several KV cache
+        groups (block ids are per group) the whole request is reported failed instead."""
+        bs = self.config.block_size
+        empty = np.zeros(0, dtype=np.int32)
+        if self.config.hybrid:
+            return ReqMeta(tracker.req_id, empty, empty.astype(np.int64), bs, load_async=load_async, load_failed=True)
+        blocks = tuple(tracker.block_ids[0][first // bs : -(-end // bs)])
+        return ReqMeta(tracker.req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks, load_async=load_async)
 
     def _async_loads(self) -> list[ReqMeta]:
         out = []
@@ -346,7 +412,7 @@ class RequestPlanner:
                     raise ValueError(f"vLLM took {load.num_external} of the {blend.num_tokens} blended tokens")
                 out.append(ReqMeta(
                     req_id, tracker.token_ids(load.load_len),
-                    slot_mapping(tracker.block_ids, bs, max(load.load_len, load.end)), bs, load,
+                    self._slots(tracker, max(load.load_len, load.end), load.end), bs, load,
                     key_extras=tracker.key_extras, load_async=True, load_result=tracker.result_loaded,
                     result_key_extras=tracker.result_extras if tracker.result_loaded else None, blend=blend,
                 ))  # fmt: skip
@@ -354,9 +420,7 @@ class RequestPlanner:
                 self.warn("plan", "lmcache: planning the asynchronous load of %s failed (%s: %s); recomputing",
                           req_id, type(exc).__name__, exc)  # fmt: skip
                 tracker.blended, tracker.save_blended = None, False
-                blocks = tuple(tracker.block_ids[load.num_local // bs : -(-load.end // bs)])
-                empty = np.zeros(0, dtype=np.int32)
-                out.append(ReqMeta(req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks, load_async=True))
+                out.append(self._failed_meta(tracker, load.num_local, load.end, load_async=True))
             self.counters["planned_loads"] += 1
         return out
 
@@ -379,10 +443,7 @@ class RequestPlanner:
                 exc,
             )
             if external:
-                bs = self.config.block_size
-                blocks = tuple(tracker.block_ids[(num_computed - external) // bs : -(-num_computed // bs)])
-                empty = np.zeros(0, dtype=np.int32)
-                out.append(ReqMeta(tracker.req_id, empty, empty.astype(np.int64), bs, invalid_block_ids=blocks))
+                out.append(self._failed_meta(tracker, num_computed - external, num_computed, load_async=False))
 
     def _plan(self, tracker: RequestTracker, num_computed: int, num_scheduled: int, out: list[ReqMeta]) -> None:
         cfg = self.config
@@ -417,7 +478,7 @@ class RequestPlanner:
             if save is not None:
                 result_save = save if tracker.result_extras is not None else None  # all of it, as blend results
                 save = self._exact_part(save, tracker.exact_until)  # the exact part, as a prefix
-        live = cfg.window.live_start(num_computed) if cfg.window is not None else 0
+        live = self._live_start(num_computed)
         if save is not None and save.skip < live:
             save = self._drop_freed(tracker, save, live)
         if load is None and save is None and not segment_saves and result_save is None:
@@ -428,8 +489,7 @@ class RequestPlanner:
             result_save.end if result_save else 0,
             tracker.prompt_len if segment_saves else 0,
         )
-        slots = slot_mapping(tracker.block_ids, cfg.block_size, n)
-        slots[:live] = -1  # blocks vLLM freed (sliding window): ids we saw may hold other requests' KV now
+        slots = self._slots(tracker, n, num_computed)
         self.counters["planned_loads"] += load is not None
         self.counters["planned_saves"] += save is not None
         durable = save is not None and tracker.pd is not None and tracker.pd.send

@@ -195,6 +195,7 @@ class SchedulerConnector:
                 save_decode=settings.config.save_decode_cache,
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
+                group_windows=settings.kv_groups.group_windows(settings.block_size) if settings.hybrid else (),
                 pd=settings.pd,
                 blend=self.blender is not None,
             )
@@ -230,6 +231,7 @@ class SchedulerConnector:
             "blend_result_offers": 0,
             "blend_result_offered_tokens": 0,
             "async_loads": 0,
+            "hybrid_sync_refused": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -250,8 +252,22 @@ class SchedulerConnector:
         """:meth:`get_num_new_matched_tokens`, and whether vLLM is to load them
         asynchronously (``allow_async``: the caller can report loads in ``get_finished``)."""
         offered = self._offer(request, num_computed_tokens)
+        if offered and self.planner.config.hybrid:
+            return self._hybrid_match(request, offered, allow_async)
         if not (allow_async and offered and self._load_async(request, num_computed_tokens, offered)):
             return Match(offered, False)
+        return Match(offered, True)
+
+    def _hybrid_match(self, request: Any, offered: int, allow_async: bool) -> Match:
+        """Several KV cache groups: vLLM cannot take block-level load failures there (its
+        scheduler raises), so a hit is loaded asynchronously, where a failure fails the whole
+        request (recomputed from its start), or not at all: a miss past ``async_max_loads``
+        loads in flight, or for a caller that cannot load asynchronously."""
+        tracker = self.planner.get(request.request_id)
+        if not allow_async or tracker is None or len(self._async) >= self.settings.config.async_max_loads:
+            self.counters["hybrid_sync_refused"] += 1
+            return Match(0, False)
+        tracker.async_offer = True
         return Match(offered, True)
 
     def _load_async(self, request: Any, num_computed: int, offered: int) -> bool:
@@ -473,7 +489,7 @@ class SchedulerConnector:
         self._memos[request.request_id] = LookupMemo(prompt, n, tail, keys)
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
-        """vLLM allocated ``request``'s blocks (``block_ids``: its first KV group's block ids,
+        """vLLM allocated ``request``'s blocks (``block_ids``: one list per KV cache group,
         given by the Dynamic connector; needed for an asynchronous load)."""
         try:
             if self.planner.on_alloc(request, num_external_tokens, block_ids):

@@ -120,7 +120,10 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("KVConnectorMetadata", KV_BASE_MODULE, "class", "subclassed by LMCacheConnectorMetadata"),
     Interface("KVConnectorRole", KV_BASE_MODULE, "class", "the role vLLM passes (read by name: SCHEDULER / WORKER)"),
     Interface("SupportsHMA", KV_BASE_MODULE, "class",
-              "not implemented on purpose: without it vLLM turns its hybrid KV cache manager off (one KV group)"),
+              "implemented by LMCacheConnectorV1Dynamic: vLLM keeps its hybrid KV cache manager on "
+              "(several KV groups, kv_groups.py); vLLM's built-in wrapper does not, so vLLM turns it off there"),
+    Interface("KVConnectorTransferResults", KV_BASE_MODULE, "class",
+              "get_transfer_results' answer: failed asynchronous loads (failed_recving) with several KV groups"),
     Interface("KVConnectorFactory", "vllm.distributed.kv_transfer.kv_connector.factory", "class",
               "registers vLLM's built-in LMCacheConnectorV1 and loads ours by kv_connector_module_path"),
     Interface("LMCacheConnectorV1", "vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector", "class",
@@ -280,7 +283,8 @@ DIFFERENCES: tuple[Difference, ...] = (
                "metrics carry the tier"),
     Difference((0, 32), "KVConnectorBase_V1.get_loaded_kv_cache_group_ids", "added",
                "the KV cache groups a load restores (default: the prefix-cacheable groups)",
-               "not overridden: lmcache serves one KV group (kv_groups.py)"),
+               "not overridden: a load restores every group (full attention, and sliding windows inside their "
+               "window), which are vLLM's prefix-cacheable groups (kv_groups.py)"),
     Difference((0, 33), "KVConnectorBase_V1.supports_sleep_mode", "added",
                "sleep mode is refused at config time for a connector answering False (default True)",
                "LMCacheConnectorV1Dynamic answers False; vLLM's built-in LMCacheConnectorV1 inherits True, so "

@@ -148,7 +148,8 @@ class LMCacheConnectorV1Impl:
             engine, engine_id = self.engine, self.settings.engine_id
             runner = (lambda: make_runner(engine, engine_id)) if engine.segments is not None else None
             self.worker = WorkerConnector(
-                self.engine, layerwise=self.settings.config.use_layerwise, saves=saves, blend_runner=runner
+                self.engine, layerwise=self.settings.config.use_layerwise, saves=saves, blend_runner=runner,
+                kv_groups=self.settings.kv_groups if self.settings.hybrid else None,
             )
             self._start_server()
             sockets = [socket_path(self.settings.socket_dir, self.settings.engine_id, r)
@@ -167,6 +168,21 @@ class LMCacheConnectorV1Impl:
             self._warn_short_window()
 
     def _warn_short_window(self) -> None:
+        if self.settings.hybrid:
+            windows = [g.sliding_window for g in self.settings.kv_groups.groups if g.sliding_window is not None]
+            short = min(windows)
+            logger.info(
+                "lmcache: %s: vLLM's hybrid KV cache manager is on; cached prefixes load asynchronously (a failed "
+                "load is recomputed from the prompt's start)",
+                self.settings.kv_groups.describe(),
+            )
+            if short < self.settings.chunk_size:
+                logger.warning(
+                    "lmcache: sliding window %d < chunk_size %d: chunks computed over several steps (chunked "
+                    "prefill) cannot be stored; set chunk_size to %d or less",
+                    short, self.settings.chunk_size, short,
+                )  # fmt: skip
+            return
         window = self.settings.window
         if window is None:
             return
@@ -361,6 +377,11 @@ class LMCacheConnectorV1Impl:
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose asynchronous load failed as a whole since the last call (several KV
+        cache groups: vLLM recomputes them from their start)."""
+        return self.worker.take_failed_loads() if self.worker is not None else set()
+
     def get_kv_events(self) -> list[Any]:
         """Stored-chunk events since the last call, for vLLM's built-in wrapper (called every
         step; it turns each entry into a ``BlockStored``, so removals are not reported on
@@ -394,7 +415,7 @@ class LMCacheConnectorV1Impl:
         return m.tokens, m.load_async
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int, block_ids: Any = None) -> None:
-        """``block_ids``: the request's first KV group's block ids (the Dynamic connector)."""
+        """``block_ids``: the request's block ids, one list per KV cache group (the Dynamic connector)."""
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request, num_external_tokens, block_ids)
 

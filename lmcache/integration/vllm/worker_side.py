@@ -36,6 +36,12 @@ selective recompute runs through the served model's layers before the forward; a
 (``result_key_extras``), whole, after the step's other stores. A load marked
 ``load_result`` reads those keys instead of the exact prefix's.
 
+Several KV cache groups (vLLM's hybrid KV cache manager, ``kv_groups``): each layer is
+copied through its group's row of the slot mapping (the GPU connector's layer groups,
+set at registration). Every load is asynchronous there, and a failed one is reported for
+the whole request (:meth:`WorkerConnector.take_failed_loads`, vLLM's ``failed_recving``):
+vLLM takes no block-level failures with several groups.
+
 Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
 promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
 (``kv_load_failure_policy="recompute"``) then recomputes them. The request's saves
@@ -64,6 +70,7 @@ from lmcache.integration.vllm.blend_worker import BlendOutcome, BlendRunner
 from lmcache.integration.vllm.async_loads import AsyncLoads, PendingLoad
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
 from lmcache.integration.vllm.failure_log import failure_logger
+from lmcache.integration.vllm.kv_groups import KVGroups
 from lmcache.integration.vllm.layer_order import ordered_layers
 from lmcache.integration.vllm.request_inputs import blocks_of_tokens
 from lmcache.v1.cache_engine import LMCacheEngine
@@ -138,8 +145,13 @@ class WorkerConnector:
         layerwise: bool,
         saves: bool = True,
         blend_runner: Callable[[], BlendRunner | None] | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         self.engine = engine
+        self.kv_groups = kv_groups if kv_groups is not None and kv_groups.hybrid else None
+        """vLLM's KV cache groups when there are several (hybrid KV cache manager), else None."""
+        self._failed_loads: set[str] = set()
+        """Requests whose load failed as a whole (several groups), for :meth:`take_failed_loads`."""
         self._make_runner = blend_runner
         self._runner: BlendRunner | None = None
         """Blending (:mod:`.blend_worker`), made on first use by ``blend_runner``."""
@@ -189,6 +201,7 @@ class WorkerConnector:
         md = self.engine.metadata
         problem = None
         layout_name = "?"
+        groups: tuple[int, ...] | None = None
         if len(tensors) != md.num_layers:
             problem = f"{len(tensors)} KV layers registered, the model config says {md.num_layers}"
         elif tensors[0].dtype != md.kv_dtype:
@@ -198,6 +211,7 @@ class WorkerConnector:
                 layout = detect_layout(tensors[0], use_mla=md.use_mla)
                 layout.geometry(tensors[0])
                 layout_name = layout.name
+                groups = self.kv_groups.layer_groups(names) if self.kv_groups is not None else None
             except ValueError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -209,6 +223,9 @@ class WorkerConnector:
         self._layer_set = set(names)
         if self.engine.gpu_connector is not None:
             self.engine.gpu_connector.register_kv_caches(tensors)
+            if groups is not None:
+                assert self.kv_groups is not None
+                self.engine.gpu_connector.set_layer_groups(groups, primary=self.kv_groups.primary)
         logger.info(
             "lmcache: registered %d KV layers, layout %s, shape %s, dtype %s (%s mode)",
             len(tensors),
@@ -242,9 +259,11 @@ class WorkerConnector:
             self._reqs = [replace(r, save=None, segment_saves=(), result_save=None) for r in self._reqs]
         self._failed = set()
         for req in self._reqs:
-            if req.invalid_block_ids:
+            if req.invalid_block_ids or req.load_failed:
                 self._load_errors.update(req.invalid_block_ids)
                 self._failed.add(req.req_id)
+                if req.load_failed:
+                    self._failed_loads.add(req.req_id)
                 if req.load_async:  # vLLM waits for it: report it settled (failed)
                     self._async_done.add(req.req_id)
 
@@ -454,14 +473,20 @@ class WorkerConnector:
         out, self._load_errors = self._load_errors, set()
         return out
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose (asynchronous) load failed as a whole since the last call (several
+        KV cache groups; each is also among the loads :meth:`finish_async` reports settled)."""
+        out, self._failed_loads = self._failed_loads, set()
+        return out
+
     # ------------------------------------------------------------------ loads
     def _load_args(self, req: ReqMeta) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
         spec = req.load
         assert spec is not None
         n = spec.load_len
-        slots = torch.as_tensor(np.array(req.slot_mapping[:n], dtype=np.int64))
-        slots[: spec.num_local] = -1  # vLLM's own prefix-cache blocks: never written
-        slots[spec.end :] = -1  # computed by this step's forward anyway
+        slots = torch.as_tensor(np.array(req.slot_mapping[..., :n], dtype=np.int64))  # a row per group if several
+        slots[..., : spec.num_local] = -1  # vLLM's own prefix-cache blocks: never written
+        slots[..., spec.end :] = -1  # computed by this step's forward anyway
         kwargs = dict(req.load_key_extras, kvcaches=self.kvcaches, slot_mapping=slots)
         return req.token_ids[:n], chunk_mask(n, spec.num_local, self.chunk_size), kwargs
 
@@ -515,9 +540,14 @@ class WorkerConnector:
         spec = req.load
         assert spec is not None
         self._failed.add(req.req_id)
-        blocks = blocks_of_tokens(req.slot_mapping, req.block_size, first_bad, spec.end)
-        self._load_errors.update(blocks)
         self.warn(kind, msg, *args)
+        if self.kv_groups is None:
+            self._load_errors.update(blocks_of_tokens(req.slot_mapping, req.block_size, first_bad, spec.end))
+        elif req.load_async:  # several groups: the whole request, recomputed from its start
+            self._failed_loads.add(req.req_id)
+        else:  # the scheduler side loads asynchronously only with several groups
+            logger.error("lmcache: synchronous load of %s failed with several KV cache groups; vLLM cannot be told "
+                         "(its KV may be wrong): please report this", req.req_id)  # fmt: skip
 
     def _start_retrieval(self, req: ReqMeta, *, last: bool) -> None:
         assert req.load is not None
@@ -633,7 +663,7 @@ class WorkerConnector:
     ) -> tuple[np.ndarray, torch.Tensor | None, dict[str, Any]]:
         spec = spec or req.save
         assert spec is not None
-        slots = torch.as_tensor(np.array(req.slot_mapping[: spec.end], dtype=np.int64))
+        slots = torch.as_tensor(np.array(req.slot_mapping[..., : spec.end], dtype=np.int64))
         kwargs = dict(req.key_extras if extras is None else extras, kvcaches=self.kvcaches, slot_mapping=slots)
         return req.token_ids[: spec.end], chunk_mask(spec.end, spec.skip, self.chunk_size), kwargs
 
