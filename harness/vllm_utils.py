@@ -477,12 +477,22 @@ class KVProbe:
         self.checked = 0
         self.equal = 0
 
-    def _rows(self, worker: Any, req: Any, end: int) -> Any:
+    def _rows(self, worker: Any, req: Any, end: int) -> tuple[Any, Any]:
+        """``([tokens, layers, width] KV rows, [tokens, layers] mask of rows with a slot)``:
+        with several KV cache groups each layer reads its group's slot row, and a sliding
+        group's row has no slot for tokens out of its window."""
+        import numpy as np
         import torch
 
-        slots = req.slot_mapping[:end]
+        slots = np.asarray(req.slot_mapping)[..., :end]
         use_mla = worker.engine.metadata.use_mla
-        return torch.stack([token_rows(kv, slots, use_mla) for kv in worker.kvcaches], dim=1)
+        groups = getattr(worker.engine.gpu_connector, "layer_groups", None)
+        rows, valid = [], []
+        for i, kv in enumerate(worker.kvcaches):
+            layer_slots = slots[groups[i]] if slots.ndim == 2 else slots
+            rows.append(token_rows(kv, np.maximum(layer_slots, 0), use_mla))
+            valid.append(torch.as_tensor(layer_slots >= 0))
+        return torch.stack(rows, dim=1), torch.stack(valid, dim=1)
 
     def install(self) -> None:
         from lmcache.integration.vllm import worker_side
@@ -494,8 +504,10 @@ class KVProbe:
             for req in worker._reqs:
                 if req.save is not None and req.req_id not in worker._failed:
                     s = req.save
-                    rows = probe._rows(worker, req, s.end)
+                    rows, valid = probe._rows(worker, req, s.end)
                     for t in range(s.skip, s.end):  # the token's prefix names it
+                        if not bool(valid[t].all()):
+                            continue
                         seen = probe.saved.setdefault(tuple(req.token_ids[: t + 1].tolist()), [])
                         if not any(bool((r == rows[t]).all()) for r in seen):
                             seen.append(rows[t])
@@ -506,11 +518,11 @@ class KVProbe:
                 spec = req.load
                 if spec is None or req.req_id in worker._failed:
                     continue
-                rows = probe._rows(worker, req, spec.end)
+                rows, valid = probe._rows(worker, req, spec.end)
                 for t in range(spec.num_local, spec.end):
                     seen = probe.saved.get(tuple(req.token_ids[: t + 1].tolist()), [])
                     probe.checked += 1
-                    probe.equal += any(bool((r == rows[t]).all()) for r in seen)
+                    probe.equal += any(bool((r == rows[t])[valid[t]].all()) for r in seen)
 
         worker_side.WorkerConnector.wait_for_save = wait_for_save  # type: ignore[method-assign]
         worker_side.WorkerConnector.start_load_kv = start_load_kv  # type: ignore[method-assign]

@@ -10,8 +10,12 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
     configuration): the chunks that span steps cannot be stored and are dropped;
   - chunk 64 = window, prefill in 32-token steps (steps smaller than a chunk): every
     chunk is stored, warm rounds load, outputs identical.
-* ``gemma3``: sliding-window layers mixed with full-attention ones; vLLM turns its hybrid
-  allocator off for the connector, so every layer keeps full KV (correct; kept tested).
+* ``gemma3``: sliding-window layers mixed with full-attention ones. Through vLLM's built-in
+  connector name vLLM turns its hybrid KV cache manager (HMA) off, so every layer keeps
+  full KV; through ``LMCacheConnectorV1Dynamic`` (``SupportsHMA``) HMA stays on: the
+  sliding layers and the full layers are two cache groups with their own block tables
+  (a sliding group keeps only its window), every hit loads asynchronously, and the warm
+  round's loaded KV is checked byte for byte against what was stored, per group.
 * ``granite-hybrid`` (a Mamba2 layer beside an attention layer): refused at start-up with
   lmcache's reason, before vLLM's own cache-group check fails with one that does not
   name the connector.
@@ -61,7 +65,8 @@ def sixteen_prompts(chunk_size: int) -> list[list[int]]:
 
 
 def compare(
-    spec: TinyModelSpec, *, chunk: int, batched: int | None, prompts: list[list[int]], **vllm
+    spec: TinyModelSpec, *, chunk: int, batched: int | None, prompts: list[list[int]], connector: str = "builtin",
+    **vllm,
 ) -> tuple[list, list]:
     """(reference outputs, lmcache rounds: cold, warm, zeroed)."""
     model = str(tiny_model_path(spec))
@@ -70,7 +75,7 @@ def compare(
     run = VLLMRun(
         model=model,
         rounds=[prompts] * 3,
-        connector="builtin",
+        connector=connector,
         lmcache={"chunk_size": chunk, "max_local_cpu_size": 0.25},
         actions={2: {"type": "zero", "every": 1}},
         **common,
@@ -102,6 +107,12 @@ def sliding_window_chunk():
 def gemma3():
     prompts = sixteen_prompts(64)
     return prompts, *compare(GEMMA3, chunk=64, batched=64, prompts=prompts, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def gemma3_hma():
+    prompts = sixteen_prompts(64)
+    return prompts, *compare(GEMMA3, chunk=64, batched=64, prompts=prompts, max_model_len=512, connector="dynamic")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +153,17 @@ def test_gemma3_mixed_sliding_and_full_attention_matches_and_loads(gemma3):
     assert rounds[1]["outputs"] == ref
     assert delta(rounds, 1, "hit_tokens") > 0
     assert rounds[2]["outputs"] != ref
+
+
+def test_gemma3_with_vllms_hybrid_manager_on_matches_and_loads_each_group(gemma3_hma):
+    prompts, ref, rounds = gemma3_hma
+    assert rounds[0]["outputs"] == ref
+    assert rounds[1]["outputs"] == ref
+    stats = rounds[1]["stats"]
+    assert delta(rounds, 1, "hit_tokens") > 0 and stats["load_errors"] == 0
+    assert delta(rounds, 1, "scheduler_async_loads") > 0, "hybrid hits load asynchronously (HMA on)"
+    assert rounds[1]["kv_probe"]["checked"] > 0
+    assert rounds[2]["outputs"] != ref, "zeroing every cached chunk changed no output: loads are not used"
 
 
 def test_mla_is_cached_and_whole_prompts_load_the_stored_bytes(mla):
