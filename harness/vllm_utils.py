@@ -57,9 +57,15 @@ class TinyModelSpec:
     (MLA: a 512-wide compressed KV plus a 64-wide rotary key per token, no MoE layers) or
     ``"granite-hybrid"`` (a Mamba2 layer and an attention layer: a model lmcache refuses)."""
     sliding_window: int | None = None
+    full_every: int = 2
+    """``gemma3``: every ``full_every``-th layer is full attention, the others sliding (2: gpt-oss's
+    alternation; 6: Gemma 3's 5:1 pattern)."""
 
     def digest(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        if fields["full_every"] == 2:  # the default keeps the digests of models built before the field
+            del fields["full_every"]
+        return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:
@@ -129,7 +135,8 @@ def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[A
     if spec.arch == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(spec.num_layers)]
+        every = spec.full_every
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(spec.num_layers)]
         head_dim = spec.hidden // spec.heads
         cfg = Gemma3TextConfig(
             **common, head_dim=head_dim, sliding_window=spec.sliding_window or 64, layer_types=layer_types

@@ -150,3 +150,29 @@ def test_cpu_tier_residency_over_the_lookup_sockets(tmp_path):
     finally:
         client.close()
         old.close()
+
+
+def test_a_request_asked_again_after_its_asynchronous_load_gets_no_hit_again():
+    """vLLM asks again only when the load failed from the first block (it freed the request's
+    blocks): offering the same hit would fail the same way, forever."""
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
+    req = FakeRequest("r", list(range(100, 170)))
+    assert planner.offer(req, 0, 64) == 64
+    planner.get("r").async_offer = True
+    assert planner.on_alloc(req, 64, [list(range(20, 29))])
+    planner.build(sched_output())
+    assert planner.offer(req, 0, 64) == 0  # the load failed: computed
+    assert planner.counters["failed_async_loads"] == 1
+    assert planner.offer(req, 0, 64) == 0  # and stays computed
+
+
+def test_a_loaded_request_preempted_later_is_offered_its_hit_again():
+    planner = RequestPlanner(PlannerConfig(CHUNK, BLOCK))
+    req = FakeRequest("s", list(range(100, 170)))
+    assert planner.offer(req, 0, 64) == 64
+    planner.get("s").async_offer = True
+    assert planner.on_alloc(req, 64, [list(range(20, 29))])
+    planner.build(sched_output())
+    planner.build(sched_output(new=[("s", list(range(20, 29)), 64)], num_scheduled={"s": 6}))  # loaded: scheduled
+    assert planner.offer(req, 0, 64) == 64  # preempted and back: loaded again
+    assert planner.counters["failed_async_loads"] == 0

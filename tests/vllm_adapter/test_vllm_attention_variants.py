@@ -47,6 +47,7 @@ pytestmark = [
 
 SLIDING = TinyModelSpec(arch="llama-sliding", sliding_window=64, seed=3)
 GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)
+GEMMA3_5TO1 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=6, seed=7, full_every=6)
 DEEPSEEK_V2 = TinyModelSpec(arch="deepseek-v2", seed=5)
 GRANITE_HYBRID = TinyModelSpec(arch="granite-hybrid", seed=6)
 
@@ -116,6 +117,22 @@ def gemma3_hma():
 
 
 @pytest.fixture(scope="module")
+def gemma3_5to1_hma():
+    """Gemma 3's 5:1 pattern (vLLM makes 6 one-layer groups: 5 sliding, 1 full) with HMA on:
+    plain vLLM, then lmcache cold, warm, a round whose loads fail (every other chunk
+    unreadable), and a round with every chunk zeroed."""
+    prompts = sixteen_prompts(64)
+    model = str(tiny_model_path(GEMMA3_5TO1))
+    common = dict(max_num_batched_tokens=64, max_tokens=16, max_model_len=512)
+    ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **common))["rounds"][0]["outputs"]
+    run = VLLMRun(
+        model=model, rounds=[prompts] * 4, connector="dynamic", lmcache={"chunk_size": 64, "max_local_cpu_size": 0.25},
+        actions={2: {"type": "fail_get", "every": 2}, 3: {"type": "zero", "every": 1}}, **common,
+    )  # fmt: skip
+    return prompts, ref, run_vllm(run)["rounds"]
+
+
+@pytest.fixture(scope="module")
 def mla():
     prompts = shared_prefix_prompts(chunk_size=64)
     mla_args = dict(block_size=16, max_model_len=512, llm_kwargs={"attention_backend": "CPU_MLA"})
@@ -164,6 +181,17 @@ def test_gemma3_with_vllms_hybrid_manager_on_matches_and_loads_each_group(gemma3
     assert delta(rounds, 1, "scheduler_async_loads") > 0, "hybrid hits load asynchronously (HMA on)"
     assert rounds[1]["kv_probe"]["checked"] > 0
     assert rounds[2]["outputs"] != ref, "zeroing every cached chunk changed no output: loads are not used"
+
+
+def test_gemma3_five_to_one_with_hma_survives_failed_loads(gemma3_5to1_hma):
+    prompts, ref, rounds = gemma3_5to1_hma
+    assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
+    assert delta(rounds, 1, "hit_tokens") > 0 and delta(rounds, 1, "scheduler_async_loads") > 0
+    # unreadable chunks: each such request is recomputed from its start (vLLM takes no
+    # block-level failures with several groups), never served wrong KV, never a crash
+    assert delta(rounds, 2, "load_errors") > 0
+    assert rounds[2]["outputs"] == ref
+    assert rounds[3]["outputs"] != ref, "zeroing every cached chunk changed no output: loads are not used"
 
 
 def test_mla_is_cached_and_whole_prompts_load_the_stored_bytes(mla):

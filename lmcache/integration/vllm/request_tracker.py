@@ -135,6 +135,12 @@ class RequestTracker:
     """The blend of that load (computed on the worker's blend thread)."""
     save_blended: bool = False
     """Blending: an asynchronous blend computed the prompt; its first scheduled step stores it."""
+    async_waiting: bool = False
+    """vLLM accepted an asynchronous load and the request has not been scheduled since."""
+    no_reload: bool = False
+    """An asynchronous load of this request failed: it is computed, never offered a hit again
+    (vLLM asks again after a load that failed from the first block; the same hit would fail
+    the same way, forever)."""
 
     @property
     def exact_until(self) -> int | None:
@@ -192,7 +198,7 @@ class RequestPlanner:
         self._trackers: dict[str, RequestTracker] = {}
         self.warn = failure_logger(logger)
         self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
-                         "pd_refused": 0}
+                         "pd_refused": 0, "failed_async_loads": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
         self._async_new: dict[str, RequestTracker] = {}
         """Requests whose asynchronous load vLLM accepted (:meth:`on_alloc`), for :meth:`build`:
@@ -278,6 +284,13 @@ class RequestPlanner:
             return 0
         if result and tracker.result_extras is None:
             raise ValueError(f"request {tracker.req_id}: blend results offered without their key extras")
+        if tracker.async_waiting:  # asked again before being scheduled: its load failed
+            tracker.async_waiting, tracker.no_reload = False, True
+            self.counters["failed_async_loads"] += 1
+            self.warn("async-failed", "lmcache: the asynchronous load of %s failed; it is computed (no hit is "
+                      "offered to it again)", tracker.req_id)  # fmt: skip
+        if tracker.no_reload:
+            num_hit, blend, result = 0, None, False
         tracker.blend = blend
         tracker.result_offer = result and blend is None
         tracker.offered_after = num_computed
@@ -320,6 +333,7 @@ class RequestPlanner:
                 tracker.offered_after, num_external, load_length(end, tracker.num_hit, self.config.chunk_size)
             )
         tracker.block_ids = self._group_lists(block_ids)
+        tracker.async_waiting = True
         tracker.pending_external = 0
         tracker.blended = blend
         tracker.save_blended = blend is not None
@@ -338,6 +352,7 @@ class RequestPlanner:
             if tracker is None:
                 continue
             tracker.block_ids = self._group_lists(new.block_ids)
+            tracker.async_waiting = False
             self._plan_safely(tracker, new.num_computed_tokens, num_sched.get(new.req_id, 0), out)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
