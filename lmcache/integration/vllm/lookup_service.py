@@ -15,6 +15,9 @@ tokens as little-endian int32 payload -> ``{"hit": n}``; ``{"op": "segments", "s
 ``{"cached": [n, ...]}`` (blending: cached leading tokens of each segment's own entries);
 ``{"op": "resident", "end": n, "extras": {...}}`` + tokens -> ``{"resident": m}`` (leading
 tokens, up to ``end``, whose whole chunks the CPU tier holds: asynchronous loads);
+``{"op": "state", "boundaries": [b, ...], "extras": {...}}`` + tokens -> ``{"state": b}``
+(hybrid models: the longest of at most :data:`MAX_STATE_BOUNDARIES` candidate boundaries,
+each in 1..len(tokens), with a stored recurrent state, 0: none; :mod:`lmcache.v1.state_entries`);
 ``{"op": "stats"}`` ->
 ``{"stats": {...}}``; ``{"op": "ping"}`` -> ``{}``. Errors -> ``{"error": "..."}``.
 The admin API's ops (served only when the server has a ``WorkerAdmin``,
@@ -97,6 +100,52 @@ LookupFn = Callable[[np.ndarray, dict[str, Any]], int]
 StatsFn = Callable[[], dict[str, int]]
 SegmentsFn = Callable[[np.ndarray, list[tuple[int, int, bytes]], dict[str, Any]], list[int]]
 ResidentFn = Callable[[np.ndarray, dict[str, Any], int], int]
+StateFn = Callable[[np.ndarray, dict[str, Any], list[int]], int]
+"""``state(tokens, extras, boundaries)``: the longest of ``boundaries`` with a stored
+recurrent state (0: none), e.g. :func:`lmcache.v1.state_entries.latest_state`."""
+
+MAX_STATE_BOUNDARIES = 64
+"""Most candidate boundaries one ``state`` request may carry (:meth:`LookupClient.state`
+asks in windows of this many, longest first)."""
+
+
+def _state_boundaries(value: Any, n_tokens: int) -> list[int]:
+    """The ``boundaries`` field of a ``state`` request: a list of at most
+    :data:`MAX_STATE_BOUNDARIES` ints, each in 1..``n_tokens`` (ValueError otherwise)."""
+    if not isinstance(value, list) or len(value) > MAX_STATE_BOUNDARIES:
+        raise ValueError(f"boundaries: expected a list of at most {MAX_STATE_BOUNDARIES} integers")
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= n_tokens:
+            raise ValueError(f"boundaries: {b!r} is not an integer in 1..{n_tokens}")
+    return list(value)
+
+
+def common_state_boundary(
+    ask: Callable[[list[int]], Sequence[int] | None], boundaries: Sequence[int], n_tokens: int
+) -> int | None:
+    """The longest of ``boundaries`` whose recurrent state every rank holds (0: none; None:
+    a rank could not answer).
+
+    ``ask(candidates)`` returns each rank's longest held candidate (0: none), or None. Ranks
+    may hold different sets, so the minimum answer ``m`` is the result only when every rank
+    answered ``m``; otherwise the candidates are narrowed to those <= ``m`` and asked again
+    (each round drops at least one candidate). Candidates outside 1..``n_tokens`` are
+    dropped; they are asked in windows of :data:`MAX_STATE_BOUNDARIES`, longest first. An
+    answer that is not 0 or one of the candidates counts as no answer."""
+    remaining = sorted({int(b) for b in boundaries if 0 < int(b) <= n_tokens}, reverse=True)
+    while remaining:
+        cands, remaining = remaining[:MAX_STATE_BOUNDARIES], remaining[MAX_STATE_BOUNDARIES:]
+        for _ in range(len(cands)):
+            answers = ask(sorted(cands))
+            if not answers or any(a != 0 and a not in cands for a in answers):
+                return None
+            m = min(answers)
+            if m == 0:
+                break  # a rank holds none of this window: try the shorter ones
+            if all(a == m for a in answers):
+                return m
+            cands = [c for c in cands if c <= m]
+    return 0
 
 
 def _segment_bounds(value: Any) -> list[tuple[int, int, bytes]]:
@@ -171,10 +220,12 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         admin: WorkerAdmin | None = None,
         segments: SegmentsFn | None = None,
         resident: ResidentFn | None = None,
+        state: StateFn | None = None,
     ) -> None:
         self._lookup = lookup
         self._segments = segments
         self._resident = resident
+        self._state = state
         self._stats = stats
         self._admin = admin
         self._log_once = LogOnce(logger)
@@ -220,6 +271,8 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             if not isinstance(end, int) or isinstance(end, bool) or not 0 <= end <= len(tokens):
                 return {"error": f"end={end!r}: expected an integer in 0..{len(tokens)}"}
             return {"resident": int(self._resident(tokens, dict(header.get("extras") or {}), end))}
+        if op == "state" and self._state is not None:
+            return self._dispatch_state(header, payload)
         if op == "stats":
             return {"stats": self._stats()}
         if op == "ping":
@@ -227,6 +280,19 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         if op in ("tiers", "clear", "pin", "unpin") and self._admin is not None:
             return self._dispatch_admin(op, header, payload)
         return {"error": f"unknown op {op!r}"}
+
+    def _dispatch_state(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        if len(payload) % 4:
+            return {"error": f"tokens: {len(payload)} payload bytes are not int32 values"}
+        tokens = np.frombuffer(payload, dtype="<i4")
+        extras = header.get("extras") or {}
+        if not isinstance(extras, dict):
+            return {"error": f"extras: expected an object, got {type(extras).__name__}"}
+        try:
+            bounds = _state_boundaries(header.get("boundaries"), len(tokens))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"state": int(self._state(tokens, dict(extras), bounds)) if bounds else 0}  # type: ignore[misc]
 
     def _dispatch_admin(self, op: str, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
         admin = self._admin
@@ -282,6 +348,7 @@ class LookupServer:
         admin: WorkerAdmin | None = None,
         segments: SegmentsFn | None = None,
         resident: ResidentFn | None = None,
+        state: StateFn | None = None,
     ) -> None:
         self.path = path
         directory = os.path.dirname(path) or "."
@@ -293,7 +360,7 @@ class LookupServer:
         sweep_stale_sockets(directory, "lookup-")
         if not remove_stale_socket(path):
             raise OSError(errno.EADDRINUSE, f"{path}: a live lookup server already listens there")
-        self._server = _Server(path, lookup, stats, admin, segments, resident)
+        self._server = _Server(path, lookup, stats, admin, segments, resident, state)
         os.chmod(path, 0o600)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1}, name="lmcache-lookup", daemon=True
@@ -397,6 +464,32 @@ class LookupClient:
                     return None
                 held.append(int(reply["resident"]))
         return min(held)
+
+    def state_ranks(self, tokens: Any, extras: dict[str, Any] | None, boundaries: Sequence[int]) -> list[int] | None:
+        """Each rank's longest of ``boundaries`` (at most :data:`MAX_STATE_BOUNDARIES`, each
+        in 1..len(tokens)) with a stored recurrent state (0: none); None when any rank
+        cannot answer (or answers something that is not 0 or a candidate)."""
+        bounds = [int(b) for b in boundaries]
+        payload = tokens_to_array(tokens).tobytes()
+        header = {"op": "state", "boundaries": bounds, "extras": extras or {}}
+        with self._lock:
+            held = []
+            for rank in range(len(self.paths)):
+                reply = self._call(rank, header, payload)
+                if reply is None:
+                    return None
+                got = reply.get("state")
+                if isinstance(got, bool) or not isinstance(got, int) or (got != 0 and got not in bounds):
+                    self.last_error = f"rank {rank}: malformed state reply {got!r}"
+                    return None
+                held.append(got)
+        return held
+
+    def state(self, tokens: Any, extras: dict[str, Any] | None, boundaries: Sequence[int]) -> int | None:
+        """The longest of ``boundaries`` whose recurrent state every rank holds (0: none;
+        :func:`common_state_boundary`); None when a rank cannot answer."""
+        arr = tokens_to_array(tokens)
+        return common_state_boundary(lambda cands: self.state_ranks(arr, extras, cands), boundaries, len(arr))
 
     def lookup_segments(
         self, tokens: Any, bounds: Sequence[tuple[Any, ...]], extras: dict[str, Any] | None = None

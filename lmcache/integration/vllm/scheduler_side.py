@@ -133,6 +133,24 @@ class LookupDispatcher:
         self.used_socket = True
         return self._client.resident(tokens, extras, end)
 
+    def state_boundary(self, tokens: list[int], extras: dict[str, Any], boundaries: list[int]) -> int | None:
+        """Hybrid models: the longest of ``boundaries`` whose recurrent state every rank holds
+        (0: none; None: a rank could not answer), in process or over the lookup sockets;
+        ranks that hold different sets are narrowed to a common boundary
+        (:func:`~lmcache.integration.vllm.lookup_service.common_state_boundary`)."""
+        from lmcache.integration.vllm.lookup_service import common_state_boundary
+        from lmcache.v1.state_entries import latest_state
+
+        engines = self._engines()
+        if engines is not None:
+            return common_state_boundary(
+                lambda cands: [latest_state(e, tokens, cands, extras) for e in engines], boundaries, len(tokens)
+            )
+        if self._client is None:
+            self._client = LookupClient(self.paths, timeout=self.timeout)
+        self.used_socket = True
+        return self._client.state(tokens, extras, boundaries)
+
     def lookup_segments(self, tokens: list[int], bounds: list[tuple[int, int, bytes]],
                         extras: dict[str, Any]) -> list[int] | None:  # fmt: skip
         """Cached leading tokens of each ``(start, end, lead)`` segment's own entries (minimum
