@@ -306,6 +306,9 @@ class VLLMRun:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = False
+    reset_prefix_cache: bool = False
+    """Empty vLLM's own prefix cache before every round after the first (with
+    ``enable_prefix_caching``: warm rounds then hit lmcache, not vLLM's cache)."""
     multiprocessing: bool = False
     kv_space_gib: int = 1
     num_kv_blocks: int | None = None
@@ -397,6 +400,8 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     must fail and the blocks be recomputed.
     ``{"type": "zero", "every": k}``: overwrite every k-th stored chunk's KV with zeros
     (a sensitivity check: loads that really use the cache then change the output).
+    ``{"type": "drop_states"}`` / ``{"type": "zero_states"}``: remove / zero every
+    recurrent-state entry (hybrid models).
     """
     from lmcache.integration.vllm.utils import engine_for
 
@@ -438,6 +443,22 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
                 with torch.inference_mode():
                     obj.tensor.zero_()
                 obj.ref_count_down()
+    elif action["type"] in ("drop_states", "zero_states"):  # every recurrent-state entry (hybrid models)
+        import torch
+
+        from lmcache.v1.state_entries import STATE_CONFIG
+
+        for key in keys:
+            if STATE_CONFIG not in key.request_configs:
+                continue
+            if action["type"] == "drop_states":
+                sm.remove(key)
+                continue
+            obj = sm.local_cpu.get_blocking(key)
+            if obj is not None:
+                with torch.inference_mode():
+                    obj.tensor.zero_()
+                obj.ref_count_down()
     elif action["type"] == "evict_cpu":  # every chunk only in the lower tiers from now on
         for key in keys:
             sm.local_cpu.remove(key)
@@ -458,8 +479,8 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
 
         engine.lookup_prefix = lookup_then_stop  # type: ignore[method-assign]
     else:
-        raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get', 'zero', 'evict_cpu' "
-                         "or 'stop_after_lookup'")
+        raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get', 'zero', 'drop_states', "
+                         "'zero_states', 'evict_cpu' or 'stop_after_lookup'")
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
 
 
@@ -612,6 +633,8 @@ def _child_main(spec_path: str, out_path: str) -> None:
             history = history + prompts[0]
             prompts = [history]
         action_info = None
+        if i and run.reset_prefix_cache:
+            llm.reset_prefix_cache()
         if i in run.actions:
             action_info = _apply_action(engine_id, run.actions[i])
         batches = [[p] for p in prompts] if run.one_by_one else [prompts]

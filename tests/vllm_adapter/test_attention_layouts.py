@@ -84,7 +84,7 @@ def test_uniform_wrapper_of_sliding_layers_is_unpacked():
 @pytest.mark.parametrize(
     "groups, named",
     [
-        (((_spec("FullAttentionSpec"), 6), (_spec("MambaSpec"), 2)), "2 cache groups"),
+        (((_spec("FullAttentionSpec"), 6), (_spec("CrossAttentionSpec"), 2)), "2 cache groups"),
         (((_spec("MambaSpec"), 2),), "2 x MambaSpec"),
         (((_spec("CrossAttentionSpec"), 2),), "CrossAttentionSpec"),
         (((_spec("ChunkedLocalAttentionSpec"), 2),), "ChunkedLocalAttentionSpec"),
@@ -106,9 +106,13 @@ def test_hybrid_model_is_refused_before_vllm_builds_its_groups():
             hf_config=SimpleNamespace(layer_types=["mamba", "attention", "mamba"]),
         )
     )
-    with pytest.raises(UnsupportedModelError, match=r"granite-hybrid: layer types \['attention', 'mamba'\]"):
-        refuse_unsupported_model(cfg)
-    cfg.model_config.is_hybrid = False
+    with pytest.raises(UnsupportedModelError, match=r"granite-hybrid: layer types \['attention', 'mamba'\].*Dynamic"):
+        refuse_unsupported_model(cfg)  # vLLM's built-in wrapper: no hybrid KV cache manager
+    refuse_unsupported_model(cfg, hma=True)  # LMCacheConnectorV1Dynamic: the state groups are read later
+    cfg.model_config.is_attention_free = True
+    with pytest.raises(UnsupportedModelError, match="attention-free"):
+        refuse_unsupported_model(cfg, hma=True)
+    cfg.model_config.is_hybrid = cfg.model_config.is_attention_free = False
     refuse_unsupported_model(cfg)  # plain attention model: accepted
 
 
@@ -231,12 +235,12 @@ def test_full_attention_planning_is_unchanged_by_the_window_code():
 
 
 # ============================================================================ the adapter
-def test_the_connector_refuses_a_hybrid_cache_at_construction(tmp_path):
+def test_the_connector_refuses_an_unsupported_group_mix_at_construction(tmp_path):
     from lmcache.integration.vllm.vllm_v1_adapter import LMCacheConnectorV1Impl
 
     from .test_vllm_connector_unit import fake_vllm_config
 
-    parent = SimpleNamespace(_kv_cache_config=_config((_spec("FullAttentionSpec"), 2), (_spec("MambaSpec"), 2)))
+    parent = SimpleNamespace(_kv_cache_config=_config((_spec("FullAttentionSpec"), 2), (_spec("CrossAttentionSpec"), 2)))
     with pytest.raises(UnsupportedModelError, match="2 cache groups"):
         LMCacheConnectorV1Impl(fake_vllm_config(tmp=str(tmp_path)), "SCHEDULER", parent)
 

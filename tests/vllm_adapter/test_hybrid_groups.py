@@ -41,8 +41,8 @@ def test_sliding_and_full_groups_are_served_with_the_full_group_as_primary():
     groups = read_kv_groups(_hybrid_config(), "gemma-3-tiny")
     assert groups.hybrid and groups.block_size == 16
     assert groups.groups == (
-        KVGroup("SlidingWindowSpec", 64, ("m.layers.0.attn", "m.layers.2.attn")),
-        KVGroup("FullAttentionSpec", None, ("m.layers.1.attn", "m.layers.3.attn")),
+        KVGroup("SlidingWindowSpec", 64, ("m.layers.0.attn", "m.layers.2.attn"), 16),
+        KVGroup("FullAttentionSpec", None, ("m.layers.1.attn", "m.layers.3.attn"), 16),
     )
     assert groups.primary == 1
     assert groups.group_windows(16) == (WindowRule(64, 16), None)
@@ -56,7 +56,10 @@ def test_sliding_and_full_groups_are_served_with_the_full_group_as_primary():
 @pytest.mark.parametrize(
     "specs, named",
     [
-        ([("FullAttentionSpec", {}), ("MambaSpec", {})], "Mamba"),
+        ([("FullAttentionSpec", {}), ("MambaSpec", {"mamba_cache_mode": "none"})], "needs 'align'"),
+        ([("FullAttentionSpec", {}), ("MambaSpec", {}), ("MambaSpec", {})], "2 recurrent-state groups"),
+        ([("SlidingWindowSpec", {"sliding_window": 8}), ("MambaSpec", {})], "no full-attention one"),
+        ([("FullAttentionSpec", {}), ("CrossAttentionSpec", {})], "cache groups"),
         ([("MLAAttentionSpec", {}), ("SlidingWindowSpec", {"sliding_window": 8})], "MLA"),
         ([("SlidingWindowSpec", {"sliding_window": 8}), ("SlidingWindowSpec", {"sliding_window": 16})],
          "no full-attention one"),

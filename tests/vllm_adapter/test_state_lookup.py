@@ -54,6 +54,18 @@ def put(engine, boundaries, tokens=TOKENS, extras=None) -> None:
 
 # ------------------------------------------------------------------ state_entries itself
 @pytest.fixture
+def sock_dir():
+    """A short directory for unix sockets (pytest's tmp_path can pass the 107-byte AF_UNIX limit)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="lmc-st-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 def engine():
     eng = make_engine(KVSpec(), config())
     yield eng
@@ -144,7 +156,7 @@ ENGINE_ID = "state-lookup-test"
 
 
 @pytest.fixture
-def ranks(tmp_path):
+def ranks(sock_dir):
     """Two registered engines (tensor-parallel ranks 0 and 1) and a lookup server for each."""
     spec = KVSpec()
     engines = []
@@ -153,7 +165,7 @@ def ranks(tmp_path):
                                    spec.head_size))  # fmt: skip
         engines.append(LMCacheEngineBuilder.get_or_create(instance_id(ENGINE_ID, r), config(), md,
                                                           make_connector(spec, CHUNK)))  # fmt: skip
-    socket_dir = str(tmp_path / "socks")
+    socket_dir = str(sock_dir / "socks")
 
     def state_fn(engine):
         def state(tokens, extras, boundaries):
@@ -228,7 +240,7 @@ def test_state_boundary_with_salts_many_candidates_and_odd_candidates(ranks, mon
         dispatcher.close()
 
 
-def test_a_missing_rank_or_a_timeout_is_no_answer(ranks, tmp_path):
+def test_a_missing_rank_or_a_timeout_is_no_answer(ranks, sock_dir):
     for engine in ranks.engines:
         put(engine, [32])
     three = SimpleNamespace(**{**vars(ranks.settings), "world_size": 3})  # rank 2 serves nothing
@@ -247,7 +259,7 @@ def test_a_missing_rank_or_a_timeout_is_no_answer(ranks, tmp_path):
         client.close()
 
     gate = threading.Event()
-    slow = LookupServer(str(tmp_path / "slow" / "r0.sock"), lambda t, e: 0, dict,
+    slow = LookupServer(str(sock_dir / "slow" / "r0.sock"), lambda t, e: 0, dict,
                         state=lambda t, e, b: gate.wait(5) and 0)  # fmt: skip
     client = LookupClient([ranks.servers[0].path, slow.path], timeout=0.3)
     try:
@@ -258,7 +270,7 @@ def test_a_missing_rank_or_a_timeout_is_no_answer(ranks, tmp_path):
         client.close()
         slow.close()
 
-    old = LookupServer(str(tmp_path / "old" / "r0.sock"), lambda t, e: 0, dict)  # a worker without the op
+    old = LookupServer(str(sock_dir / "old" / "r0.sock"), lambda t, e: 0, dict)  # a worker without the op
     client = LookupClient([old.path], timeout=1.0)
     try:
         assert client.state(TOKENS, {}, ALL) is None and "unknown op" in (client.last_error or "")
@@ -267,9 +279,9 @@ def test_a_missing_rank_or_a_timeout_is_no_answer(ranks, tmp_path):
         old.close()
 
 
-def test_a_rank_answering_something_else_is_no_answer(tmp_path):
+def test_a_rank_answering_something_else_is_no_answer(sock_dir):
     answers = iter([17, True, "16", None, 16])
-    server = LookupServer(str(tmp_path / "s" / "r0.sock"), lambda t, e: 0, dict, state=lambda t, e, b: 0)
+    server = LookupServer(str(sock_dir / "s" / "r0.sock"), lambda t, e: 0, dict, state=lambda t, e, b: 0)
     server._server._dispatch_state = lambda header, payload: {"state": next(answers)}  # a forged rank
     client = LookupClient([server.path], timeout=1.0)
     try:

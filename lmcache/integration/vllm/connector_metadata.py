@@ -50,6 +50,15 @@ class SaveSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StateRef:
+    """A hybrid model's recurrent state after ``boundary`` tokens, in vLLM's state block
+    ``block`` (the Mamba group's block of column ``boundary // block_size - 1``)."""
+
+    boundary: int
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
 class SegmentRef:
     """A segment (document) of a prompt: tokens ``[start, end)``; ``cached`` leading tokens
     of it have segment entries (blending, :mod:`lmcache.v1.blend`). ``lead``: the text
@@ -116,6 +125,8 @@ class ReqMeta:
     ``load_async``: the request waits in vLLM while its hit is prefetched into the CPU tier and
     then copied (``enable_async_loading``, :mod:`.async_loads`); the worker reports it in
     ``get_finished``. It is not part of this step's forward.
+    ``state_load`` / ``state_save``: a hybrid model's recurrent state to write into its block
+    after the load (the load ends at its boundary) / to store after this step's forward.
     ``load_failed``: the scheduler side could not plan this (asynchronous) load; the worker
     reports the whole request failed (several KV cache groups: vLLM takes no block-level
     failures there, and recomputes the request from its start).
@@ -137,6 +148,8 @@ class ReqMeta:
     result_save: SaveSpec | None = None
     load_async: bool = False
     load_failed: bool = False
+    state_load: StateRef | None = None
+    state_save: StateRef | None = None
 
     @property
     def load_key_extras(self) -> dict[str, Any]:

@@ -38,12 +38,15 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_KINDS = ("FullAttentionSpec", "SlidingWindowSpec", "MLAAttentionSpec")
-HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
+HYBRID_KINDS = ("FullAttentionSpec", "SlidingWindowSpec", "MambaSpec")
 """Kinds of the groups of a hybrid (several-group) layout."""
+STATE_KIND = "MambaSpec"
+"""vLLM's group kind of recurrent state (Mamba2, gated delta net), one block per state."""
 SUPPORTED_TEXT = (
     "full attention, all-sliding-window attention, MLA, or sliding-window + full attention mixed "
     "(several KV cache groups, one of them full attention)"
 )
+"""What single- and attention-group layouts lmcache serves (refusal messages)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -86,9 +89,15 @@ class KVGroup:
     """One of vLLM's KV cache groups (hybrid layouts): its kind, window and layers."""
 
     kind: str
-    """``FullAttentionSpec`` or ``SlidingWindowSpec``."""
+    """``FullAttentionSpec``, ``SlidingWindowSpec`` or ``MambaSpec`` (recurrent state)."""
     sliding_window: int | None
     layer_names: tuple[str, ...]
+    block_size: int = 0
+    """Tokens per block (a ``MambaSpec`` group: tokens between two cached states)."""
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE_KIND
 
     def window_rule(self, block_size: int) -> WindowRule | None:
         return None if self.sliding_window is None else WindowRule(self.sliding_window, block_size)
@@ -113,9 +122,25 @@ class KVGroups:
         return len(self.groups) > 1
 
     @property
+    def state_group(self) -> int | None:
+        """The index of the recurrent-state (``MambaSpec``) group, or None."""
+        return next((i for i, g in enumerate(self.groups) if g.is_state), None)
+
+    @property
+    def attention_groups(self) -> tuple[int, ...]:
+        """Indices of the attention groups (the slot-mapping rows, in this order)."""
+        return tuple(i for i, g in enumerate(self.groups) if not g.is_state)
+
+    @property
     def primary(self) -> int:
-        """The group whose slot row says which tokens a copy covers: the first full-attention group."""
-        return next((i for i, g in enumerate(self.groups) if g.sliding_window is None), 0)
+        """The slot row (among :attr:`attention_groups`) that says which tokens a copy
+        covers: the first full-attention group's."""
+        rows = [self.groups[i] for i in self.attention_groups]
+        return next((r for r, g in enumerate(rows) if g.sliding_window is None), 0)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(len(self.groups[i].layer_names) for i in self.attention_groups)
 
     def describe(self) -> str:
         if self.hybrid:
@@ -133,13 +158,19 @@ class KVGroups:
         return None if self.sliding_window is None else WindowRule(self.sliding_window, block_size)
 
     def group_windows(self, block_size: int) -> tuple[WindowRule | None, ...]:
-        """Each group's rule (hybrid layouts; None for a full-attention group)."""
+        """Each group's rule (hybrid layouts; None for a full-attention or state group)."""
         return tuple(g.window_rule(block_size) for g in self.groups)
 
+    def state_layers(self) -> tuple[str, ...]:
+        """The recurrent layers' names (empty without a state group)."""
+        g = self.state_group
+        return () if g is None else self.groups[g].layer_names
+
     def layer_groups(self, layer_names: Iterable[str]) -> tuple[int, ...]:
-        """The group index of each of ``layer_names`` (hybrid layouts); ValueError for a
-        layer no group names."""
-        where = {name: i for i, g in enumerate(self.groups) for name in g.layer_names}
+        """The slot row (index among :attr:`attention_groups`) of each attention layer of
+        ``layer_names`` (hybrid layouts); ValueError for a layer no attention group names."""
+        rows = self.attention_groups
+        where = {name: r for r, i in enumerate(rows) for name in self.groups[i].layer_names}
         out = []
         for name in layer_names:
             if name not in where:
@@ -205,20 +236,27 @@ def _read_hybrid(groups: list[Any], model: str) -> KVGroups:
         if len(names) != 1 or not names <= set(HYBRID_KINDS):
             raise UnsupportedModelError(
                 f"{model}: vLLM keeps its KV in {len(groups)} cache groups ({_layer_kinds(groups)}); with several "
-                f"groups lmcache supports sliding-window and full attention only (not Mamba/linear-attention state, "
-                "MLA, cross-attention, chunked-local or sink attention). Serve this model without the lmcache "
-                "connector."
+                f"groups lmcache supports sliding-window and full attention, and one group of recurrent state "
+                "(MambaSpec) beside full attention (not MLA, cross-attention, chunked-local or sink attention). "
+                "Serve this model without the lmcache connector."
             )
         kind = names.pop()
+        if kind == STATE_KIND:
+            out.append(_state_group(group, kinds, model))
+            continue
         window = None
         if kind == "SlidingWindowSpec":
             windows = {int(s.sliding_window) for _, s in kinds}
             if len(windows) > 1:
                 raise UnsupportedModelError(f"{model}: sliding windows of different sizes {sorted(windows)} in one group")
             window = windows.pop()
-        block_sizes.update(int(getattr(s, "block_size", 0)) for _, s in kinds)
-        out.append(KVGroup(kind, window, tuple(getattr(group, "layer_names", None) or ())))
-    if all(g.sliding_window is not None for g in out):
+        own = {int(getattr(s, "block_size", 0)) for _, s in kinds}
+        block_sizes |= own
+        out.append(KVGroup(kind, window, tuple(getattr(group, "layer_names", None) or ()), max(own)))
+    if sum(g.is_state for g in out) > 1:
+        raise UnsupportedModelError(f"{model}: {sum(g.is_state for g in out)} recurrent-state groups; lmcache "
+                                    "supports one")  # fmt: skip
+    if all(g.sliding_window is not None or g.is_state for g in out):
         raise UnsupportedModelError(
             f"{model}: {len(out)} sliding-window KV cache groups and no full-attention one ({_layer_kinds(groups)}); "
             f"lmcache supports {SUPPORTED_TEXT}. Serve this model without the lmcache connector."
@@ -230,21 +268,46 @@ def _read_hybrid(groups: list[Any], model: str) -> KVGroups:
     return KVGroups("hybrid", None, tuple(out), block_sizes.pop() or None)
 
 
-def refuse_unsupported_model(vllm_config: Any) -> None:
+def _state_group(group: Any, kinds: list[tuple[str, Any]], model: str) -> KVGroup:
+    """A recurrent-state group: cached only with vLLM's state-per-block mode (``align``)."""
+    spec = kinds[0][1]
+    mode = getattr(spec, "mamba_cache_mode", "align")
+    if mode != "align":
+        raise UnsupportedModelError(
+            f"{model}: vLLM keeps this model's recurrent state in mamba_cache_mode={mode!r} (one state per "
+            "request); lmcache needs 'align' (a state per block, so a cached prefix can resume): start vLLM with "
+            "prefix caching on (--enable-prefix-caching), or --mamba-cache-mode align"
+        )
+    block = int(getattr(spec, "block_size", 0) or 0)
+    if block <= 0:
+        raise UnsupportedModelError(f"{model}: the recurrent-state group has block_size={block}; expected > 0")
+    return KVGroup(STATE_KIND, None, tuple(getattr(group, "layer_names", None) or ()), block)
+
+
+def refuse_unsupported_model(vllm_config: Any, *, hma: bool = False) -> None:
     """Early check from the model config alone (before vLLM builds its cache groups).
 
-    A hybrid model with recurrent layers (Mamba / linear attention + attention) keeps state
-    lmcache does not store: refused here, naming the layer types, before vLLM allocates
-    anything. Raises :class:`UnsupportedModelError`.
+    A model with recurrent layers (Mamba / linear attention) needs vLLM's hybrid KV cache
+    manager, which vLLM keeps on only for a connector that declares ``SupportsHMA``
+    (``hma``: ``LMCacheConnectorV1Dynamic``); without it, or for an attention-free model,
+    refused here naming the layer types. Raises :class:`UnsupportedModelError`.
     """
     model = getattr(vllm_config, "model_config", None)
     if model is None:
         return
     name = getattr(model, "model", "the model")
-    if bool(getattr(model, "is_attention_free", False)) or bool(getattr(model, "is_hybrid", False)):
+    free = bool(getattr(model, "is_attention_free", False))
+    if free or (bool(getattr(model, "is_hybrid", False)) and not hma):
         layer_types = getattr(getattr(model, "hf_config", None), "layer_types", None)
         kinds = sorted(set(layer_types)) if isinstance(layer_types, (list, tuple)) else "attention-free or hybrid"
+        how = (
+            "an attention-free model has no KV to cache"
+            if free
+            else "vLLM's built-in LMCacheConnectorV1 turns vLLM's hybrid KV cache manager off, which this model "
+            "needs: use LMCacheConnectorV1Dynamic (kv_connector_module_path: lmcache.integration.vllm."
+            "lmcache_connector_v1)"
+        )
         raise UnsupportedModelError(
-            f"{name}: layer types {kinds} keep recurrent (Mamba / linear-attention) state that lmcache does not "
-            f"cache; lmcache supports {SUPPORTED_TEXT}. Serve this model without the lmcache connector."
+            f"{name}: layer types {kinds} keep recurrent (Mamba / linear-attention) state; {how}. lmcache supports "
+            f"{SUPPORTED_TEXT}, and recurrent state beside full attention with LMCacheConnectorV1Dynamic."
         )

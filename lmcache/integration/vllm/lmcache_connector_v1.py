@@ -207,11 +207,11 @@ class LMCacheConnectorV1Dynamic(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """No layout preference; used as vLLM's earliest class hook to refuse a model lmcache
-        cannot cache (a Mamba / linear-attention hybrid) with a clear reason, before vLLM's own
-        cache-group check fails with a message that does not name the connector. An unsupported
+        cannot cache (an attention-free model) with a clear reason, before vLLM's own checks
+        fail with a message that does not name the connector. An unsupported
         vLLM release is refused here too (one line naming the supported range)."""
         check_vllm_version()
-        refuse_unsupported_model(vllm_config)
+        refuse_unsupported_model(vllm_config, hma=True)
         return None
 
     # ------------------------------------------------------------------ metrics (route a)

@@ -183,7 +183,7 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
             "tensor parallelism only (expected 1)"
         )
     model = vllm_config.model_config
-    refuse_unsupported_model(vllm_config)
+    refuse_unsupported_model(vllm_config, hma=getattr(ktc, "kv_connector", None) != "LMCacheConnectorV1")
     kv_groups = read_kv_groups(kv_cache_config, str(model.model))
     role = getattr(ktc, "kv_role", None) or "kv_both"
     lookup = LookupOptions.from_config(config)
@@ -221,7 +221,8 @@ def settings_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> Adapter
         enable_load=role in ("kv_both", "kv_consumer"),
         enable_save=role in ("kv_both", "kv_producer"),
         kv_dtype=kv_cache_dtype(vllm_config),
-        num_layers=int(model.get_num_layers(parallel)),
+        num_layers=kv_groups.num_attention_layers if kv_groups.state_group is not None
+        else int(model.get_num_layers(parallel)),
         num_kv_heads=int(model.get_num_kv_heads(parallel)),
         head_size=int(model.get_head_size()),
         use_mla=use_mla,

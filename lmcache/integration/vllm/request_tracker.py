@@ -43,19 +43,23 @@ without block reuse) stores the prefix up to it.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from lmcache.integration.vllm.blend_planner import BlendPlanner
-from lmcache.integration.vllm.connector_metadata import BlendSpec, LoadSpec, ReqMeta, SaveSpec, SegmentRef
+from lmcache.integration.vllm.connector_metadata import BlendSpec, LoadSpec, ReqMeta, SaveSpec, SegmentRef, StateRef
 from lmcache.integration.vllm.kv_groups import WindowRule
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.pd import BadTransferParams, PDPolicy, PDRequest, read_transfer_params
 from lmcache.integration.vllm.request_inputs import group_slot_mapping, request_key_extras
 
 logger = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+"""vLLM's null block id (a placeholder for freed or skipped blocks)."""
 
 
 # ------------------------------------------------------------------------ pure rules
@@ -173,7 +177,11 @@ class PlannerConfig:
     and :meth:`RequestPlanner._plan`)."""
     group_windows: tuple[WindowRule | None, ...] = ()
     """Several KV cache groups (vLLM's hybrid KV cache manager): each group's window rule
-    (None: full attention). Empty for one group."""
+    (None: full attention, or the state group). Empty for one group."""
+    state_group: int | None = None
+    """The group of a hybrid model's recurrent state (vLLM's ``MambaSpec`` group), or None."""
+    state_block_size: int = 0
+    """Tokens per block of the state group (vLLM keeps a state per block boundary)."""
     pd: PDPolicy | None = None
     """Which ``kv_transfer_params`` to honour (``enable_pd``; None: off): a prefiller's saves
     are made durable, a decoder waits for signed announced KV."""
@@ -188,6 +196,17 @@ class PlannerConfig:
     @property
     def num_groups(self) -> int:
         return max(1, len(self.group_windows))
+
+    @property
+    def attention_groups(self) -> tuple[int, ...]:
+        """The groups with a slot row (every group but the state group)."""
+        return tuple(g for g in range(self.num_groups) if g != self.state_group)
+
+    @property
+    def state_every(self) -> int:
+        """Recurrent states are stored and loaded at multiples of this (a chunk end and a
+        state block boundary)."""
+        return math.lcm(self.chunk_size, self.state_block_size) if self.state_group is not None else 0
 
 
 class RequestPlanner:
@@ -299,6 +318,8 @@ class RequestPlanner:
             tracker.num_hit = blend.num_tokens
             tracker.pending_external = 0
             return max(0, blend.num_tokens - num_computed)
+        if self.config.state_group is not None:  # a hybrid's state: only at its boundaries
+            num_hit -= num_hit % self.config.state_every
         window = self.config.window
         if window is not None:  # no null blocks: a failed load must stay recomputable (hybrid
             # layouts load asynchronously and recompute a failed request from its start)
@@ -386,14 +407,26 @@ class RequestPlanner:
         computed (or never allocated: null blocks): the ids we saw may hold other requests'
         KV now."""
         cfg = self.config
-        slots = group_slot_mapping(tracker.block_ids, cfg.block_size, n)
-        if cfg.hybrid:
-            for g, rule in enumerate(cfg.group_windows):
-                if rule is not None:
-                    slots[g, : rule.live_start(num_computed)] = -1
-        elif cfg.window is not None:
-            slots[: cfg.window.live_start(num_computed)] = -1
+        rows = cfg.attention_groups
+        slots = group_slot_mapping([tracker.block_ids[g] for g in rows], cfg.block_size, n)
+        rules = [cfg.group_windows[g] for g in rows] if cfg.hybrid else [cfg.window]
+        for r, rule in enumerate(rules):
+            if rule is not None:
+                row = slots if slots.ndim == 1 else slots[r]
+                row[: rule.live_start(num_computed)] = -1
         return slots
+
+    def _state_ref(self, tracker: RequestTracker, boundary: int) -> StateRef | None:
+        """Where vLLM keeps the recurrent state after ``boundary`` tokens (None: no state group,
+        not a state boundary, or no real block there)."""
+        cfg = self.config
+        if cfg.state_group is None or boundary <= 0 or boundary % cfg.state_every:
+            return None
+        ids = tracker.block_ids[cfg.state_group]
+        col = boundary // cfg.state_block_size - 1
+        if col >= len(ids) or ids[col] == NULL_BLOCK:
+            return None
+        return StateRef(boundary, ids[col])
 
     def _live_start(self, num_computed: int) -> int:
         """The first token every group still holds once ``num_computed`` tokens are computed."""
@@ -425,11 +458,15 @@ class RequestPlanner:
             try:
                 if blend is not None and (load.num_local != 0 or load.num_external != blend.num_tokens):
                     raise ValueError(f"vLLM took {load.num_external} of the {blend.num_tokens} blended tokens")
+                state = self._state_ref(tracker, load.end)
+                if self.config.state_group is not None and state is None:
+                    raise ValueError(f"the load ends at {load.end}, where no recurrent state can be restored")
                 out.append(ReqMeta(
                     req_id, tracker.token_ids(load.load_len),
                     self._slots(tracker, max(load.load_len, load.end), load.end), bs, load,
                     key_extras=tracker.key_extras, load_async=True, load_result=tracker.result_loaded,
                     result_key_extras=tracker.result_extras if tracker.result_loaded else None, blend=blend,
+                    state_load=state,
                 ))  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - vLLM waits for this request: fail it, never drop it
                 self.warn("plan", "lmcache: planning the asynchronous load of %s failed (%s: %s); recomputing",
@@ -505,6 +542,8 @@ class RequestPlanner:
             tracker.prompt_len if segment_saves else 0,
         )
         slots = self._slots(tracker, n, num_computed)
+        end = num_computed + num_scheduled
+        state_save = self._state_ref(tracker, end) if save is not None and save.skip < end <= save.end else None
         self.counters["planned_loads"] += load is not None
         self.counters["planned_saves"] += save is not None
         durable = save is not None and tracker.pd is not None and tracker.pd.send
@@ -513,7 +552,7 @@ class RequestPlanner:
                 tracker.req_id, tracker.token_ids(n), slots, cfg.block_size, load, save, tracker.key_extras,
                 durable=durable, blend=blend, segment_saves=segment_saves,
                 result_key_extras=tracker.result_extras if (result or result_save) else None,
-                load_result=result and load is not None, result_save=result_save,
+                load_result=result and load is not None, result_save=result_save, state_save=state_save,
             )  # fmt: skip
         )
 

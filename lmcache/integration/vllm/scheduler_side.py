@@ -43,6 +43,8 @@ from lmcache.v1.tiers import Tier
 logger = logging.getLogger(__name__)
 
 MAX_MEMOS = 4096
+MAX_STATE_CANDIDATES = 64
+"""Recurrent-state boundaries probed per lookup (the longest ones)."""
 PD_POLL_SECONDS = 0.005
 """Shortest interval between two lookups of one request waiting for a prefiller's KV."""
 PD_IDLE_PAUSE_SECONDS = 0.002
@@ -214,6 +216,9 @@ class SchedulerConnector:
                 whole_prompt_only=settings.whole_prompt_hits,
                 window=settings.window,
                 group_windows=settings.kv_groups.group_windows(settings.block_size) if settings.hybrid else (),
+                state_group=settings.kv_groups.state_group,
+                state_block_size=settings.kv_groups.groups[settings.kv_groups.state_group].block_size
+                if settings.kv_groups.state_group is not None else 0,
                 pd=settings.pd,
                 blend=self.blender is not None,
             )
@@ -250,6 +255,7 @@ class SchedulerConnector:
             "blend_result_offered_tokens": 0,
             "async_loads": 0,
             "hybrid_sync_refused": 0,
+            "state_cut_tokens": 0,
         }
         """Scheduler-side counters (scheduler thread only); see :meth:`snapshot`."""
         register_scheduler_stats(settings.engine_id, self.snapshot)
@@ -341,6 +347,8 @@ class SchedulerConnector:
                 hit = self._wait_for_prefiller(tracker, hit)
                 if hit is None:
                     return None
+            if hit and self.planner.config.state_group is not None:
+                hit = self._state_hit(request, tracker, hit)
             choice = self._plan_blend(request, tracker, num_computed_tokens, hit) if self.blender is not None else None
             if choice is not None and choice.result_hit:
                 offered = self.planner.offer(request, num_computed_tokens, choice.result_hit, result=True)
@@ -356,6 +364,26 @@ class SchedulerConnector:
             return 0
         self.counters["offered_tokens"] += offered
         return offered
+
+    def _state_hit(self, request: Any, tracker: RequestTracker | None, hit: int) -> int:
+        """A hybrid model's hit cut to the longest state boundary (a multiple of the planner's
+        ``state_every``, short of the last token) whose recurrent state every worker holds:
+        without its state, cached KV cannot resume the request (0: none)."""
+        every = self.planner.config.state_every
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        top = min(hit, n - 1)
+        cands = list(range(top - top % every, 0, -every))[:MAX_STATE_CANDIDATES]
+        if not cands:
+            return 0
+        extras = {k: v for k, v in (tracker.key_extras if tracker else {}).items() if k in KEY_EXTRA_NAMES}
+        found = self.lookups.state_boundary(list(request.all_token_ids[: cands[0]]), extras, cands)
+        if found is None:
+            self.warn("state-lookup", "lmcache: recurrent-state lookup unavailable (%s); treating as a miss",
+                      self.lookups.last_error)  # fmt: skip
+            return 0
+        if found < hit:
+            self.counters["state_cut_tokens"] += hit - found
+        return found
 
     def _plan_blend(self, request: Any, tracker: RequestTracker | None, num_computed: int, hit: int) -> BlendOffer | None:
         """What to offer instead of the exact ``hit``: a blend or an earlier blend's result

@@ -46,6 +46,7 @@ from typing import Any
 
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.kv_groups import UnsupportedModelError
+from lmcache.v1.state_entries import latest_state
 from lmcache.integration.vllm.lookup_service import LookupServer
 from lmcache.integration.vllm.metadata_builder import AdapterSettings, blend_rules, create_engine, settings_from_vllm
 from lmcache.integration.vllm.scheduler_side import SchedulerConnector
@@ -170,13 +171,13 @@ class LMCacheConnectorV1Impl:
     def _warn_short_window(self) -> None:
         if self.settings.hybrid:
             windows = [g.sliding_window for g in self.settings.kv_groups.groups if g.sliding_window is not None]
-            short = min(windows)
+            short = min(windows, default=None)
             logger.info(
                 "lmcache: %s: vLLM's hybrid KV cache manager is on; cached prefixes load asynchronously (a failed "
                 "load is recomputed from the prompt's start)",
                 self.settings.kv_groups.describe(),
             )
-            if short < self.settings.chunk_size:
+            if short is not None and short < self.settings.chunk_size:
                 logger.warning(
                     "lmcache: sliding window %d < chunk_size %d: chunks computed over several steps (chunked "
                     "prefill) cannot be stored; set chunk_size to %d or less",
@@ -254,12 +255,18 @@ class LMCacheConnectorV1Impl:
             allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
             return engine.resident_prefix(engine.prefix_keys(tokens, **allowed), end)
 
+        def state(tokens: Any, extras: dict[str, Any], boundaries: list[int]) -> int:
+            if not worker.enabled:
+                return 0
+            allowed = {k: v for k, v in extras.items() if k in KEY_EXTRA_NAMES}
+            return latest_state(engine, tokens, boundaries, allowed)
+
         path = socket_path(self.settings.socket_dir, self.settings.engine_id, self.rank)
         try:
             self._admin = WorkerAdmin(engine)
             self._server = LookupServer(
                 path, lookup, lambda: process_snapshot(engine), admin=self._admin, segments=segments,
-                resident=resident,
+                resident=resident, state=state,
             )  # fmt: skip
         except OSError as exc:
             logger.warning(

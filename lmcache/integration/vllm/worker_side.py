@@ -42,6 +42,12 @@ set at registration). Every load is asynchronous there, and a failed one is repo
 the whole request (:meth:`WorkerConnector.take_failed_loads`, vLLM's ``failed_recving``):
 vLLM takes no block-level failures with several groups.
 
+Recurrent state (a ``MambaSpec`` group: Mamba2 / gated-delta-net hybrids): those layers'
+tensors are kept apart (``state_rows``: one byte row per vLLM block); a step's
+``state_save`` stores the rows of its state block after the KV (:mod:`lmcache.v1.state_entries`),
+and a load with ``state_load`` writes the stored rows into the request's state block once
+its KV is in; a missing state fails the whole load (never a partial restore).
+
 Failures: any exception, or a retrieve that returns fewer tokens than the scheduler
 promised vLLM, turns into "blocks with load errors" for the missing range; vLLM
 (``kv_load_failure_policy="recompute"``) then recomputes them. The request's saves
@@ -68,15 +74,27 @@ import torch
 
 from lmcache.integration.vllm.blend_worker import BlendOutcome, BlendRunner
 from lmcache.integration.vllm.async_loads import AsyncLoads, PendingLoad
-from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec
+from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec, StateRef
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.kv_groups import KVGroups
 from lmcache.integration.vllm.layer_order import ordered_layers
 from lmcache.integration.vllm.request_inputs import blocks_of_tokens
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.gpu_connector.layouts import detect_layout
+from lmcache.v1.state_entries import boundary_key, get_state, put_state
 
 logger = logging.getLogger(__name__)
+
+
+def _byte_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``[num_blocks, row_bytes]`` uint8 view of a recurrent layer's state tensor (vLLM hands
+    the connector one raw view per layer: each block's conv and SSM state back to back)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        raise ValueError(f"{name}: expected a [num_blocks, ...] state tensor, got {type(t).__name__}")
+    flat = t.view(t.shape[0], -1)  # raises when a block's bytes are not one contiguous run
+    if flat.stride(1) != 1:
+        raise ValueError(f"{name}: a block's state is not contiguous (strides {tuple(t.stride())})")
+    return flat.view(torch.uint8)
 
 
 def chunk_mask(n: int, skip: int, chunk_size: int) -> torch.Tensor | None:
@@ -152,6 +170,8 @@ class WorkerConnector:
         """vLLM's KV cache groups when there are several (hybrid KV cache manager), else None."""
         self._failed_loads: set[str] = set()
         """Requests whose load failed as a whole (several groups), for :meth:`take_failed_loads`."""
+        self.state_rows: list[torch.Tensor] = []
+        """The recurrent layers' blocks as ``[num_blocks, row_bytes]`` uint8 views (a state group)."""
         self._make_runner = blend_runner
         self._runner: BlendRunner | None = None
         """Blending (:mod:`.blend_worker`), made on first use by ``blend_runner``."""
@@ -195,7 +215,18 @@ class WorkerConnector:
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Take vLLM's per-layer KV tensors (model order is recovered from the names)."""
+        """Take vLLM's per-layer KV tensors (model order is recovered from the names); a
+        hybrid model's recurrent layers are kept apart (:attr:`state_rows`)."""
+        state_names = self.kv_groups.state_layers() if self.kv_groups is not None else ()
+        if state_names:
+            try:
+                self.state_rows = [_byte_rows(kv_caches[n], n) for n in state_names]
+            except (KeyError, RuntimeError, ValueError) as exc:
+                self.enabled = False
+                logger.error("lmcache disabled for this worker: recurrent-state layers unusable (%s: %s); vLLM runs "
+                             "without the cache", type(exc).__name__, exc)  # fmt: skip
+                return
+            kv_caches = {k: v for k, v in kv_caches.items() if k not in set(state_names)}
         names = ordered_layers(kv_caches)
         tensors = [kv_caches[n] for n in names]
         md = self.engine.metadata
@@ -438,6 +469,8 @@ class WorkerConnector:
                 if req.save is None or req.req_id in self._failed or req.req_id in streamed:
                     continue
                 self._store_whole(req)
+                if req.state_save is not None and self.state_rows:
+                    self._store_state(req, req.state_save)
         if durable:
             self._make_durable(durable)
         for req in self._reqs:
@@ -501,6 +534,36 @@ class WorkerConnector:
             self._fail_load(req, exc)
             return
         self._check_loaded(req, ret, count=True)
+        state = req.state_load
+        if state is not None and req.load.end == state.boundary and req.req_id not in self._failed:
+            self._load_state(req, state)
+
+    def _load_state(self, req: ReqMeta, state: StateRef) -> None:
+        """Write the recurrent state stored at ``state.boundary`` into its block (a missing or
+        unreadable state fails the whole load: KV without its state cannot resume)."""
+        try:
+            key = boundary_key(self.engine, req.token_ids, state.boundary, req.load_key_extras)
+            shape = (len(self.state_rows), self.state_rows[0].shape[1]) if self.state_rows else (0, 0)
+            rows = get_state(self.engine, key, shape) if self.state_rows else None
+            if rows is None:
+                raise LookupError(f"no recurrent state stored at token {state.boundary}")
+            for view, row in zip(self.state_rows, rows):
+                view[state.block].copy_(row)
+        except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
+            self.engine.stats.add(load_errors=1)
+            self._fail_load(req, exc)
+
+    def _store_state(self, req: ReqMeta, state: StateRef) -> None:
+        """Store the recurrent state of ``state.block`` as the state after ``state.boundary``."""
+        try:
+            rows = torch.stack([view[state.block] for view in self.state_rows])
+            key = boundary_key(self.engine, req.token_ids, state.boundary, req.key_extras)
+            if not put_state(self.engine, key, rows):
+                self.warn("state-full", "lmcache: no pool memory for a recurrent state (%d bytes); not stored",
+                          rows.numel())  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            self.warn("state-save", "lmcache: storing the recurrent state of %s failed (%s: %s); skipped",
+                      req.req_id, type(exc).__name__, exc)  # fmt: skip
 
     def _check_loaded(self, req: ReqMeta, ret: torch.Tensor, *, count: bool) -> None:
         spec = req.load
