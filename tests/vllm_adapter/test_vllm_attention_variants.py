@@ -243,6 +243,20 @@ def test_a_mamba2_hybrid_resumes_from_cached_kv_and_recurrent_state(granite_hybr
     assert rounds[3]["outputs"] != ref, "zeroing every stored state changed no output: the state is not restored"
 
 
+def test_a_mamba2_hybrid_resumes_through_the_lookup_sockets_in_the_multiprocess_engine(granite_hybrid):
+    """vLLM's multiprocess engine (as ``vllm serve`` runs it): the scheduler finds the workers'
+    states over the lookup sockets (the ``state`` op)."""
+    prompts, ref, _ = granite_hybrid
+    run = VLLMRun(
+        model=str(tiny_model_path(GRANITE_HYBRID)), rounds=[prompts] * 2, connector="dynamic",
+        lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25}, reset_prefix_cache=True, multiprocessing=True,
+        max_num_batched_tokens=128, max_tokens=16, max_model_len=1024, block_size=128, enable_prefix_caching=True,
+    )  # fmt: skip
+    rounds = run_vllm(run)["rounds"]
+    assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
+    assert delta(rounds, 1, "hit_tokens") >= 256 * len(prompts)
+
+
 def test_a_mamba_hybrid_is_refused_at_start_up_with_vllms_builtin_connector():
     run = VLLMRun(
         model=str(tiny_model_path(GRANITE_HYBRID)),
