@@ -281,3 +281,85 @@ def test_a_different_number_of_groups_than_announced_is_an_error():
     planner.on_alloc(req, 0)
     with pytest.raises(ValueError, match="block_ids: 1 KV cache groups, expected 2"):
         planner.build(_sched(new=[("g", [[1, 2]], 0)], num_scheduled={"g": 16}))
+
+
+# ============================================================================ a recurrent-state group
+class StateTable:
+    """vLLM's state group of one request (``MambaManager``, align mode): one column per
+    ``block`` tokens; before a step, columns before ``(num_computed - 1) // block`` become
+    null; an admitted request with ``n`` cached tokens gets null columns and a real one at
+    ``n // block - 1`` (where the state after ``n`` tokens goes)."""
+
+    def __init__(self, block: int, ids) -> None:
+        self.block, self.ids, self.cols = block, ids, []
+
+    def admit(self, n: int, end: int) -> list[int]:
+        self.cols = [NULL_BLOCK] * max(0, n // self.block - 1)
+        return self.grow(end)
+
+    def step(self, num_computed: int, end: int) -> list[int]:
+        for i in range(min(len(self.cols), max(0, num_computed - 1) // self.block)):
+            self.cols[i] = NULL_BLOCK
+        return self.grow(end)
+
+    def grow(self, end: int) -> list[int]:
+        new = [next(self.ids) for _ in range(-(-end // self.block) - len(self.cols))]
+        self.cols.extend(new)
+        return new
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    state_blocks=st.integers(1, 4),
+    chunk_blocks=st.integers(1, 4),
+    prompt_len=st.integers(2, 700),
+    hit_frac=st.floats(0, 1),
+    steps=st.lists(st.sampled_from([8, 16, 32, 64, 128]), min_size=1, max_size=60),
+)
+def test_state_refs_name_the_state_block_of_their_boundary(state_blocks, chunk_blocks, prompt_len, hit_frac, steps):
+    import itertools
+
+    block = 8
+    m, chunk = block * state_blocks, block * chunk_blocks
+    planner = RequestPlanner(PlannerConfig(chunk_size=chunk, block_size=block, group_windows=(None, None),
+                                           state_group=0, state_block_size=m))  # fmt: skip
+    every = planner.config.state_every
+    ids = itertools.count(1)
+    state, full = StateTable(m, ids), []
+    req = FakeRequest("s", list(range(100, 100 + prompt_len)))
+    external = planner.offer(req, 0, int(hit_frac * prompt_len))
+    assert external % every == 0 and external < prompt_len  # a state boundary, short of the last token
+    computed = 0
+    if external:
+        planner.get("s").async_offer = True
+        full = [next(ids) for _ in range(-(-external // block))]
+        state.admit(external, external)
+        assert planner.on_alloc(req, external, [list(state.cols), full])
+        (meta,) = planner.build(_sched())
+        assert meta.state_load is not None and meta.state_load.boundary == external
+        assert meta.state_load.block == state.cols[external // m - 1] != NULL_BLOCK
+        computed = external
+    first = True
+    pending = iter(steps)
+    while computed < prompt_len:
+        n = min(next(pending, 64), prompt_len - computed)
+        end = computed + n
+        if first:
+            new_state = state.step(computed, end) if external else state.admit(0, end)
+            more = [next(ids) for _ in range(-(-end // block) - len(full))]
+            full += more
+            out = planner.build(_sched(new=[("s", [list(state.cols), list(full)], computed)], num_scheduled={"s": n}))
+            first = False
+        else:
+            new_state = state.step(computed, end)
+            more = [next(ids) for _ in range(-(-end // block) - len(full))]
+            full += more
+            out = planner.build(_sched(cached=[("s", [new_state, more], computed)], num_scheduled={"s": n}))
+        saved = [m_.state_save for m_ in out if m_.state_save is not None]
+        if end % every == 0 and any(m_.save is not None and m_.save.skip < end <= m_.save.end for m_ in out):
+            assert [s.boundary for s in saved] == [end]
+        else:
+            assert saved == []
+        for ref in saved:
+            assert ref.block == state.cols[ref.boundary // m - 1] != NULL_BLOCK, "the state is read from its block"
+        computed = end

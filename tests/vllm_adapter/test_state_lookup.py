@@ -343,3 +343,26 @@ def test_hostile_state_requests_get_the_error_answer_and_the_server_keeps_servin
         assert client.state(TOKENS, {}, ALL) == 32
     finally:
         client.close()
+
+
+# ------------------------------------------------------------------ every tier
+def test_a_state_survives_in_the_disk_and_redis_tiers(tmp_path, redis_server):
+    """A state entry is an ordinary entry: written through to disk and Redis, found and read
+    from there by an engine whose CPU tier never held it (another process, a restart)."""
+    cfg = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "local_disk": str(tmp_path / "disk"),
+           "max_local_disk_size": 0.1, "remote_url": redis_server.url}  # fmt: skip
+    writer = make_engine(KVSpec(), LMCacheEngineConfig.from_dict(cfg))
+    try:
+        put(writer, [32])
+        assert writer.storage_manager.flush(10)
+    finally:
+        writer.close()
+    for tiers in ({"local_disk": cfg["local_disk"], "max_local_disk_size": 0.1}, {"remote_url": redis_server.url}):
+        reader = make_engine(KVSpec(), LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.25,
+                                                                      **tiers}))  # fmt: skip
+        try:
+            assert state_entries.latest_state(reader, TOKENS, ALL, {}) == 32
+            got = state_entries.get_state(reader, state_entries.boundary_key(reader, TOKENS, 32, {}), ROWS)
+            assert got is not None and torch.equal(got, rows(32))
+        finally:
+            reader.close()

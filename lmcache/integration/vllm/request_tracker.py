@@ -318,13 +318,14 @@ class RequestPlanner:
             tracker.num_hit = blend.num_tokens
             tracker.pending_external = 0
             return max(0, blend.num_tokens - num_computed)
-        if self.config.state_group is not None:  # a hybrid's state: only at its boundaries
+        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
+        if self.config.state_group is not None:  # a hybrid's state: only at its boundaries, short of the end
+            num_hit = min(num_hit, n - 1)
             num_hit -= num_hit % self.config.state_every
         window = self.config.window
         if window is not None:  # no null blocks: a failed load must stay recomputable (hybrid
             # layouts load asynchronously and recompute a failed request from its start)
             num_hit = min(num_hit, window.max_admitted)
-        n = int(getattr(request, "num_tokens", len(request.all_token_ids)))
         if self.config.whole_prompt_only and usable_hit(n, num_hit) < n - 1:
             num_hit = 0
         tracker.num_hit = num_hit
