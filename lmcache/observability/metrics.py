@@ -254,6 +254,16 @@ METRICS: tuple[MetricDef, ...] = (
         "async_load_timeouts",
     ),
     _c(
+        "lmcache_recurrent_states_stored",
+        "Recurrent states of hybrid models (Mamba / linear attention) stored beside the KV.",
+        "recurrent_states_stored",
+    ),
+    _c(
+        "lmcache_recurrent_states_loaded",
+        "Recurrent states of hybrid models restored with a load.",
+        "recurrent_states_loaded",
+    ),
+    _c(
         "lmcache_blend_stored_result_tokens",
         "Tokens of blended prompts stored as blend results (reused when the prompt is sent again).",
         "blend_stored_result_tokens",

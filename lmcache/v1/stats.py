@@ -74,6 +74,10 @@ class CacheStats(Counters):
     """Hits loaded asynchronously (prefetched into the CPU tier while other requests ran)."""
     async_load_timeouts: int = 0
     """Asynchronous loads not prefetched within ``async_load_timeout`` (the rest recomputed)."""
+    recurrent_states_stored: int = 0
+    """Recurrent states (Mamba / linear-attention layers of a hybrid model) stored beside the KV."""
+    recurrent_states_loaded: int = 0
+    """Recurrent states written into vLLM's state blocks with a load."""
     evictions: int = 0
     load_errors: int = 0
     corrupt_entries: int = 0

@@ -237,6 +237,8 @@ def test_a_mamba2_hybrid_resumes_from_cached_kv_and_recurrent_state(granite_hybr
     hits = delta(rounds, 1, "hit_tokens")
     assert hits >= 256 * len(prompts) and rounds[1]["stats"]["load_errors"] == 0
     assert delta(rounds, 1, "scheduler_async_loads") == len(prompts)
+    assert delta(rounds, 0, "recurrent_states_stored") > 0
+    assert delta(rounds, 1, "recurrent_states_loaded") == len(prompts)
     # without the states, hits are offered only where this round stored a state again (a later
     # prompt sharing an earlier one's prefix): KV alone never resumes a Mamba layer
     assert delta(rounds, 2, "hit_tokens") < hits and rounds[2]["outputs"] == ref

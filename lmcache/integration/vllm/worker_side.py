@@ -549,6 +549,7 @@ class WorkerConnector:
                 raise LookupError(f"no recurrent state stored at token {state.boundary}")
             for view, row in zip(self.state_rows, rows):
                 view[state.block].copy_(row)
+            self.engine.stats.add(recurrent_states_loaded=1)
         except Exception as exc:  # noqa: BLE001 - a cache failure is a recompute
             self.engine.stats.add(load_errors=1)
             self._fail_load(req, exc)
@@ -558,7 +559,9 @@ class WorkerConnector:
         try:
             rows = torch.stack([view[state.block] for view in self.state_rows])
             key = boundary_key(self.engine, req.token_ids, state.boundary, req.key_extras)
-            if not put_state(self.engine, key, rows):
+            if put_state(self.engine, key, rows):
+                self.engine.stats.add(recurrent_states_stored=1)
+            else:
                 self.warn("state-full", "lmcache: no pool memory for a recurrent state (%d bytes); not stored",
                           rows.numel())  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
