@@ -307,27 +307,41 @@ def test_every_field_the_adapter_reads_exists(surface):
     _fail(problems, surface)
 
 
+def vllm_bases(cls: type) -> list[type]:
+    """Every vLLM class in ``cls``'s MRO, nearest first (a connector may also implement a
+    vLLM mixin such as ``SupportsHMA``)."""
+    return [b for b in cls.__mro__ if b.__module__.startswith("vllm.")]
+
+
 def test_our_overrides_match_vllms_hooks(surface):
     """Every hook our connectors, metadata, stats and event classes implement exists in the
     release with the same kind (method, classmethod, property), parameters (names, order,
-    kinds, defaults) and a compatible return annotation; every abstract method is implemented."""
+    kinds, defaults) and a compatible return annotation; every abstract method is implemented.
+    A hook is looked up in each vLLM base in MRO order (``KVConnectorBase_V1``, then a mixin
+    such as ``SupportsHMA``)."""
     problems = []
     installed = _installed()
     for name, cls in needs_our_classes().items():
-        base = vllm_base(cls)
-        mod, qual = base.__module__, base.__qualname__
-        theirs = surface.methods(mod, qual)
-        if surface.cls(mod, qual) is None:
-            problems.append(f"{name}: its base {mod}.{qual} is missing")
+        bases = []
+        for base in vllm_bases(cls):
+            mod, qual = base.__module__, base.__qualname__
+            if surface.cls(mod, qual) is None:
+                problems.append(f"{name}: its base {mod}.{qual} is missing")
+                continue
+            bases.append((mod, qual, surface.methods(mod, qual)))
+        if not bases:
             continue
         module = sys.modules[cls.__module__]
         for member, (kind, fn) in sorted(own_members(cls).items()):
-            info = theirs.get(member)
-            if info is None:
-                was_hook = installed is not None and member in installed.methods(mod, qual)
+            found = next(((mod, qual, theirs[member]) for mod, qual, theirs in bases if member in theirs), None)
+            if found is None:
+                was_hook = installed is not None and any(
+                    member in installed.methods(mod, qual) for mod, qual, _ in bases
+                )
                 if was_hook:
-                    problems.append(f"{name}.{member} overrides a hook {qual} no longer has (never called)")
+                    problems.append(f"{name}.{member} overrides a hook vLLM no longer has (never called)")
                 continue
+            mod, qual, info = found
             if info["kind"] != kind:
                 problems.append(f"{name}.{member} is a {kind}, vLLM's is a {info['kind']}")
                 continue
@@ -340,14 +354,27 @@ def test_our_overrides_match_vllms_hooks(surface):
             if not returns_compatible(ret, info["returns"], module):
                 problems.append(f"{name}.{member} returns {ret!r}, vLLM's {info['returns']!r}")
         implemented = set(own_members(cls))
-        for missing in sorted(abstract_methods(surface, mod, qual) - implemented):
-            problems.append(f"{name} does not implement vLLM's abstract {qual}.{missing}")
+        for mod, qual, _ in bases:
+            for missing in sorted(abstract_methods(surface, mod, qual) - implemented):
+                problems.append(f"{name} does not implement vLLM's abstract {qual}.{missing}")
     _fail(problems, surface)
+
+
+def test_the_dynamic_connector_implements_the_hybrid_manager_hook(surface):
+    """``SupportsHMA`` (vLLM keeps its hybrid KV cache manager on for us): the mixin exists in
+    the release and its hook, ``request_finished_all_groups``, is ours with vLLM's signature
+    (checked by the override test above; here: it is really among the hooks compared)."""
+    from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1Dynamic
+
+    assert any(b.__qualname__ == "SupportsHMA" for b in vllm_bases(LMCacheConnectorV1Dynamic))
+    mixin = surface.methods(vc.KV_BASE_MODULE, "SupportsHMA")
+    assert "request_finished_all_groups" in mixin, surface.label
+    assert "request_finished_all_groups" in own_members(LMCacheConnectorV1Dynamic)
 
 
 def _tracked() -> list[vc.Interface]:
     """Classes whose members lmcache overrides, calls or fills in (their changes must be listed)."""
-    bases = {vllm_base(c).__qualname__ for c in our_classes().values()}
+    bases = {b.__qualname__ for c in our_classes().values() for b in vllm_bases(c)}
     called = {"KVEventAggregator", "BlockStored", "BlockRemoved"}
     return [i for i in vc.INTERFACES if i.kind == "class" and (i.target in bases or i.target in called)]
 
