@@ -288,6 +288,27 @@ def test_a_gated_delta_net_hybrid_resumes_from_cached_kv_and_state(qwen3_next):
     assert rounds[2]["outputs"] != ref, "zeroing every stored state changed no output: the state is not restored"
 
 
+def test_a_mamba2_hybrid_resumes_from_the_disk_tier_with_asynchronous_prefetch(granite_hybrid, tmp_path):
+    """KV and recurrent states only on disk (the CPU tier emptied): ``enable_async_loading``
+    prefetches both (the state entry last) while the request waits; warm outputs identical."""
+    prompts, ref, _ = granite_hybrid
+    run = VLLMRun(
+        model=str(tiny_model_path(GRANITE_HYBRID)), rounds=[prompts] * 2, connector="dynamic",
+        lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25, "local_disk": str(tmp_path / "disk"),
+                 "max_local_disk_size": 0.25, "enable_async_loading": True},
+        reset_prefix_cache=True, actions={1: {"type": "evict_cpu"}}, max_num_batched_tokens=128, max_tokens=16,
+        max_model_len=1024, block_size=128, enable_prefix_caching=True,
+    )  # fmt: skip
+    rounds = run_vllm(run)["rounds"]
+    assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
+    stats = rounds[1]["stats"]
+    assert delta(rounds, 1, "hit_tokens") >= 256 * len(prompts) and stats["load_errors"] == 0
+    assert delta(rounds, 1, "recurrent_states_loaded") == len(prompts)
+    # every distinct chunk and every state came from disk (prefetched into the CPU tier, then copied)
+    chunks = {tuple(p[:end]) for p in prompts for end in range(128, len(p), 128)}
+    assert delta(rounds, 1, "disk_hits") == len(chunks) + len(prompts)
+
+
 def test_a_mamba_hybrid_is_refused_at_start_up_with_vllms_builtin_connector():
     run = VLLMRun(
         model=str(tiny_model_path(GRANITE_HYBRID)),

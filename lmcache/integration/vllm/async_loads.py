@@ -9,7 +9,8 @@ loads synchronously). vLLM then keeps the request waiting for its KV
 worker in the step that allocated the request's blocks.
 
 Threads and ownership: :meth:`AsyncLoads.start` and :meth:`AsyncLoads.ready` run on vLLM's
-worker thread. A prefetch runs on this module's own thread pool: it reads the chunks with the
+worker thread. A prefetch runs on this module's own thread pool: it reads the chunks (and a
+hybrid model's recurrent-state entry at the load's end, last) with the
 storage manager's ``batched_get`` (the CPU tier's hits inline, the lower tiers' chunks on
 their reader threads, promoted into the CPU tier) and holds one reference to each object
 until :meth:`PendingLoad.release` (worker thread, after the copy), so the CPU pool's memory
@@ -38,6 +39,7 @@ from typing import Any, Callable
 
 from lmcache.integration.vllm.connector_metadata import ReqMeta
 from lmcache.log_once import LogOnce
+from lmcache.v1.state_entries import state_key
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,11 @@ class AsyncLoads:
         assert spec is not None
         pk = self.engine.prefix_keys(req.token_ids[: spec.load_len], **req.load_key_extras)
         first = spec.num_local // pk.chunk_size
-        return list(pk.keys[first:])
+        keys = list(pk.keys[first:])
+        state = req.state_load
+        if state is not None and 0 < state.boundary <= pk.num_tokens:  # a hybrid's recurrent state, last
+            keys.append(state_key(pk.keys[state.boundary // pk.chunk_size - 1]))
+        return keys
 
     def _prefetch(self, keys: list[Any]) -> list[Any]:
         """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held)."""
