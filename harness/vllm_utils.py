@@ -426,6 +426,11 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     (a sensitivity check: loads that really use the cache then change the output).
     ``{"type": "drop_states"}`` / ``{"type": "zero_states"}``: remove / zero every
     recurrent-state entry (hybrid models).
+    ``{"type": "evict_cpu"}``: remove every chunk from the CPU tier (the lower tiers keep theirs).
+    ``{"type": "stop_after_lookup", "pid": p}``: ``evict_cpu``, then SIGSTOP process ``p`` (a
+    ``redis-server``) right after the next lookup that finds a hit (mid-load).
+    ``{"type": "resume", "pid": p}``: SIGCONT process ``p`` (the engine then shuts down without
+    waiting out the remote tier's timeout).
     """
     from lmcache.integration.vllm.utils import engine_for
 
@@ -502,9 +507,14 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
             return hit
 
         engine.lookup_prefix = lookup_then_stop  # type: ignore[method-assign]
+    elif action["type"] == "resume":  # SIGCONT the process stop_after_lookup stopped
+        import os
+        import signal
+
+        os.kill(int(action["pid"]), signal.SIGCONT)
     else:
         raise ValueError(f"action type {action['type']!r}: expected 'drop', 'fail_get', 'zero', 'drop_states', "
-                         "'zero_states', 'evict_cpu' or 'stop_after_lookup'")
+                         "'zero_states', 'evict_cpu', 'stop_after_lookup' or 'resume'")
     return {"stored_chunks": len(keys), "damaged_chunks": len(chosen)}
 
 

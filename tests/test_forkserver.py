@@ -83,14 +83,37 @@ def test_a_dead_server_ends_its_waiters(tmp_path):
     assert srv.spawn([sys.executable, "-c", "pass"], dict(os.environ), str(tmp_path), str(tmp_path / "l")) is None
 
 
-def test_import_time_variables_get_a_fresh_interpreter(monkeypatch):
+def test_interpreter_start_variables_get_a_fresh_interpreter(monkeypatch):
     from harness.forkserver import _enabled
 
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     monkeypatch.delenv("LMCACHE_TEST_FORKSERVER", raising=False)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert _enabled(argv, dict(os.environ))
-    assert not _enabled(argv, {**os.environ, "PROMETHEUS_MULTIPROC_DIR": "/tmp/p"})  # read at import
+    assert not _enabled(argv, {**os.environ, "PYTHONHASHSEED": "3"})  # read when the interpreter starts
     assert not _enabled(["/usr/bin/env", "python"], dict(os.environ))
     monkeypatch.setenv("LMCACHE_TEST_FORKSERVER", "0")
     assert not _enabled(argv, dict(os.environ))
+
+
+def test_import_time_variables_get_a_fork_server_of_their_own(tmp_path, monkeypatch):
+    """prometheus_client picks its multiprocess mode when it is imported (by vLLM, preloaded):
+    a child with ``PROMETHEUS_MULTIPROC_DIR`` is forked from a server that imported it so."""
+    from harness import forkserver
+
+    servers: dict = {}
+    monkeypatch.setattr(forkserver, "_servers", servers)
+    monkeypatch.setattr(forkserver, "ForkServer", lambda env: ForkServer(env, preload=("prometheus_client",)))
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.delenv("LMCACHE_TEST_FORKSERVER", raising=False)
+    code = "import sys; from prometheus_client import values; print(values.ValueClass.__name__, 'prometheus_client' in sys.modules)"
+    try:
+        plain = forkserver.run([sys.executable, "-c", code], env=dict(os.environ), cwd=tmp_path, timeout=120)
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+        multi = forkserver.run([sys.executable, "-c", code], env=env, cwd=tmp_path, timeout=120)
+    finally:
+        for srv in servers.values():
+            srv.close()
+    assert len(servers) == 2
+    assert plain.returncode == 0 and multi.returncode == 0, (plain.stdout, multi.stdout)
+    assert plain.stdout.split()[-2:] == ["MutexValue", "True"] and multi.stdout.split()[-2:] == ["MmapedValue", "True"]

@@ -61,8 +61,10 @@ def test_redis_frozen_mid_load_costs_the_deadline_not_a_hang(tiny_llama_dir, red
                "remote_timeout": 20.0, "enable_async_loading": True, "async_load_timeout": 1.0}  # fmt: skip
     try:
         out = run_vllm(VLLMRun(
-            model=str(tiny_llama_dir), rounds=[[prompt], [prompt]], lmcache=lmcache,
-            actions={1: {"type": "stop_after_lookup", "pid": redis_server.pid}}, timeout=300, **COMMON,
+            model=str(tiny_llama_dir), rounds=[[prompt], [prompt], [prompt[:8]]], lmcache=lmcache, timeout=300,
+            actions={1: {"type": "stop_after_lookup", "pid": redis_server.pid},
+                     2: {"type": "resume", "pid": redis_server.pid}},  # shutdown then need not wait out Redis
+            **COMMON,
         ))  # fmt: skip
     finally:
         os.kill(redis_server.pid, signal.SIGCONT)

