@@ -81,7 +81,7 @@ def _child(request: dict[str, Any], proto_fd: int, import_env: dict[str, str]) -
         os.environ.update(import_env)  # what the preloaded modules set for themselves
         os.environ.update(request["env"])
         _reconfigure_vllm_logging()
-        if os.environ.get("LMCACHE_TEST_VLLM_PROCESSES") == "fork":
+        if os.environ.get("HARNESS_VLLM_PROCESSES") == "fork":
             _fork_vllm_processes()
         code = _run_main(list(request["argv"]))
     except SystemExit as exc:
