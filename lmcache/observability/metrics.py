@@ -254,6 +254,11 @@ METRICS: tuple[MetricDef, ...] = (
         "async_load_timeouts",
     ),
     _c(
+        "lmcache_shared_reads",
+        "Disk or remote reads joined to a read of the same entry already in flight (not read twice).",
+        "shared_reads",
+    ),
+    _c(
         "lmcache_recurrent_states_stored",
         "Recurrent states of hybrid models (Mamba / linear attention) stored beside the KV.",
         "recurrent_states_stored",

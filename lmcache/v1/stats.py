@@ -74,6 +74,9 @@ class CacheStats(Counters):
     """Hits loaded asynchronously (prefetched into the CPU tier while other requests ran)."""
     async_load_timeouts: int = 0
     """Asynchronous loads not prefetched within ``async_load_timeout`` (the rest recomputed)."""
+    shared_reads: int = 0
+    """Lower-tier reads joined to a read of the same key already in flight (a duplicated
+    prompt's prefetch, say): no second disk or remote read."""
     recurrent_states_stored: int = 0
     """Recurrent states (Mamba / linear-attention layers of a hybrid model) stored beside the KV."""
     recurrent_states_loaded: int = 0

@@ -80,8 +80,9 @@ def test_non_blocking_get_miss_everywhere():
 
 # ----------------------------------------------------------------------------- issue 12, item 3
 def test_lower_tier_hits_are_promoted_in_one_l1_visit_tail_to_head():
-    """A batched read of lower-tier hits hands L1 the whole result once: promoted, and
-    ordered so that the sequence's tail is evicted before its head."""
+    """A batched read of lower-tier hits: each hit is promoted into L1 as its read settles
+    (a concurrent reader of the key then finds it there), and L1 then sees the whole result
+    once, ordered so that the sequence's tail is evicted before its head."""
     disk = FakeTier("disk")
     sm = manager(disk)
     keys = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(3)]
@@ -92,7 +93,7 @@ def test_lower_tier_hits_are_promoted_in_one_l1_visit_tail_to_head():
     sm.local_cpu.admit_sequence = lambda ks, objs: (visits.append(len(ks)), admit(ks, objs))[1]
     objs = sm.batched_get(keys)
     assert [int(o.byte_array[0]) for o in objs] == [0, 1, 2]
-    assert visits == [3], "one L1 visit for the whole sequence"
+    assert sorted(visits) == [1, 1, 1, 3] and visits[-1] == 3, "each read settled, then the whole sequence"
     assert list(sm.local_cpu.policy.victims()) == list(reversed(keys))  # tail first
     for o in objs:
         o.ref_count_down()

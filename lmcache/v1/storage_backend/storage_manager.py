@@ -31,6 +31,7 @@ from lmcache.v1.tiers import Tier
 from lmcache.v1.storage_backend.abstract_backend import PoolMemory, StorageBackend, resolved
 from lmcache.v1.storage_backend.cache_policy import make_policy
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from lmcache.v1.storage_backend.shared_reads import SharedReads
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class StorageManager:
 
             lower_backends = create_lower_backends(config, self.memory, namespace=namespace)
         self.lower: list[StorageBackend] = list(lower_backends)
+        self._reads: SharedReads[CacheEngineKey] = SharedReads(
+            self._start_lower_read, self._promote, on_join=lambda: self.stats.add(shared_reads=1)
+        )
+        """Lower-tier reads in flight, one per key (a second reader joins the first)."""
         self._closed = False
 
     @property
@@ -320,20 +325,30 @@ class StorageManager:
             if source is not None:
                 source.append(self.local_cpu.tier)
             return resolved(obj)
-        out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out, promote=True, source=source)
-        return out
+        return self._reads.read(key, source)
 
     def _read_lower(self, key: CacheEngineKey, source: list[Tier] | None = None) -> Future[MemoryObj | None]:
-        """Future of the first lower-tier hit of ``key`` (None if none), not promoted;
-        a hit appends its tier name to ``source``."""
+        """Future of ``key``'s entry from the lower tiers (None if none), joined to a read of
+        the same key in flight; promoted into L1 before it resolves. A hit appends its tier
+        name to ``source``."""
+        return self._reads.read(key, source)
+
+    def _start_lower_read(self, key: CacheEngineKey, tiers: list[Tier]) -> Future[MemoryObj | None]:
+        """A new read of ``key`` (:class:`SharedReads`): L1 first (a read of the same key that
+        just settled promoted it there), then each lower tier in order."""
+        obj = self.local_cpu.get_blocking(key)
+        if obj is not None:
+            tiers.append(self.local_cpu.tier)
+            return resolved(obj)
         out: Future[MemoryObj | None] = Future()
-        self._read_from(key, 0, out, promote=False, source=source)
+        self._read_from(key, 0, out, tiers)
         return out
 
-    def _read_from(
-        self, key: CacheEngineKey, tier: int, out: Future, *, promote: bool, source: list[Tier] | None = None
-    ) -> None:
+    def _promote(self, key: CacheEngineKey, obj: MemoryObj) -> None:
+        """A lower-tier hit into L1 (its own reference), before the read leaves the in-flight table."""
+        self.local_cpu.admit_sequence([key], [obj])
+
+    def _read_from(self, key: CacheEngineKey, tier: int, out: Future, source: list[Tier]) -> None:
         """Resolve ``out`` with the first hit among ``self.lower[tier:]`` (None if none)."""
         if tier == len(self.lower):
             out.set_result(None)
@@ -342,12 +357,9 @@ class StorageManager:
         def _done_reading(fut: Future) -> None:
             obj = None if fut.cancelled() or fut.exception() is not None else fut.result()
             if obj is None:
-                self._read_from(key, tier + 1, out, promote=promote, source=source)
+                self._read_from(key, tier + 1, out, source)
                 return
-            if source is not None:
-                source.append(self.lower[tier].tier)
-            if promote:
-                self.local_cpu.admit_sequence([key], [obj])
+            source.append(self.lower[tier].tier)
             out.set_result(obj)
 
         self.lower[tier].get_non_blocking(key).add_done_callback(_done_reading)
