@@ -15,6 +15,8 @@ import pytest
 
 from harness.forkserver import ForkServer, _server_env
 
+pytestmark = pytest.mark.slow  # child processes
+
 
 @pytest.fixture(scope="module")
 def server():
