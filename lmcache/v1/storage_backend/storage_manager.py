@@ -5,8 +5,10 @@ the lower tiers get a :class:`PoolMemory` (the pool's size and its allocate-or-e
 function) to read into, so no tier imports or calls another tier.
 
 Writes go to L1 and are written through to the lower tiers asynchronously. Reads try
-L1 first, then each lower tier in order; a lower-tier hit is promoted into L1 in the
-same visit that records the hits of the sequence (tail to head).
+L1 first, then each lower tier in order; a lower-tier hit is promoted into L1 as its read
+completes (one read per key in flight, shared by every reader of that key:
+:mod:`~lmcache.v1.storage_backend.shared_reads`), and the hits of a sequence are then
+recorded in one L1 visit, tail to head.
 Allocation failure is not an error: the caller skips the store.
 """
 
@@ -272,8 +274,9 @@ class StorageManager:
 
         The L1 prefix is read inline (one lock hold); the rest is read from the lower
         tiers in parallel (their reader threads), not one blocking read after another.
-        L1 then sees the whole result once: hits are touched and lower-tier hits
-        promoted, from the tail to the head so the head stays most recent. If
+        Lower-tier hits are promoted into L1 as their reads complete (a read of the same
+        key already in flight is joined, not repeated); L1 then sees the whole result once,
+        touched from the tail to the head so the head stays most recent. If
         ``sources`` is given, the tier (``StorageBackend.tier``, a :class:`Tier`) of each
         returned object is appended to it, in order. ``location`` (LMCache's keyword, a
         tier name) reads that one tier only.
