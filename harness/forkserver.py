@@ -130,7 +130,9 @@ def _fork_vllm_processes() -> None:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         return
-    original = CpuPlatform.check_and_update_config.__func__
+    original = getattr(getattr(CpuPlatform, "check_and_update_config", None), "__func__", None)
+    if original is None:  # another vLLM: its own start
+        return
 
     def check_and_update_config(cls, vllm_config):
         original(cls, vllm_config)
