@@ -77,9 +77,10 @@ def test_many_separators_through_the_adapter_store_no_segments(mini):
     assert stored <= -(-len(prompt) // 16)  # at most the prompt's own prefix chunks (CHUNK = 16), no segments
 
 
-def test_segment_store_rotates_once_per_layer(mini, model):
-    """Five segments stored from the paged cache: one re-rotation call per layer, and the
-    stored keys equal those re-rotated segment by segment."""
+def test_segment_store_rotates_once_for_every_layer(mini, model):
+    """Five segments stored from the paged cache: one re-rotation call for all segments and
+    layers (the layers side by side as heads), and the stored keys equal those re-rotated
+    segment by segment, one layer at a time."""
     calls = []
 
     class Counting:
@@ -87,7 +88,7 @@ def test_segment_store_rotates_once_per_layer(mini, model):
             self.inner = inner
 
         def rerotate(self, keys, old, new):
-            calls.append(keys.shape[0])
+            calls.append(tuple(keys.shape[:2]))
             return self.inner.rerotate(keys, old, new)
 
     runner = BlendRunner(Counting(model), mini.engine.segments, BlendConfig((0.15,), (1,)))
@@ -102,8 +103,10 @@ def test_segment_store_rotates_once_per_layer(mini, model):
     slots = torch.arange(n)
     req = type("Req", (), {"token_ids": torch.tensor(prompt), "slot_mapping": slots, "key_extras": {}})()
     assert runner.store_segments(req, refs, mini.kv) == sum(r.end - r.start for r in refs)
-    assert calls == [sum(r.end - r.start for r in refs)] * LAYERS  # all segments in one call per layer
     from lmcache.v1.gpu_connector.layouts import component_tensors
+
+    heads = component_tensors(mini.kv[0])[0].shape[2]
+    assert calls == [(sum(r.end - r.start for r in refs), LAYERS * heads)]
 
     for ref in refs[1:]:
         seg = Segment(ref.start, ref.end, tuple(prompt[ref.start : ref.end]))

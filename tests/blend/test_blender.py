@@ -206,3 +206,67 @@ def test_cached_kv_given_late_is_read_once_at_the_first_check_layer(model):
     nothing = blend(model, sc.ids, lambda: None, cfg)  # nothing could be read: a full prefill
     assert bool(nothing.recomputed.all())
     torch.testing.assert_close(nothing.logits, full_prefill(model, sc.ids).logits)
+
+
+def reference_blend(model, ids: torch.Tensor, reused: ReusedKV, config: BlendConfig):
+    """The selective recompute written plainly: every check layer runs for all the tokens it
+    carries, then selects (the blender selects right after the check layer's q/k/v)."""
+    from lmcache.v1.blend.model import causal_attention
+
+    n = ids.shape[0]
+    pos = torch.arange(n)
+    is_reused = reused.mask.clone()
+    is_reused[-1] = False
+    num_reused = int(is_reused.sum())
+    checks = dict(zip(config.check_layers, config.recompute_ratios))
+    sel, hidden, keys, values = pos.clone(), model.embed(ids), [], []
+    for li, layer in enumerate(model.layers):
+        q, k, v = layer.qkv(layer.input_norm(hidden), pos[sel])
+        k_all, v_all = reused.keys[li].clone(), reused.values[li].clone()
+        k_all[sel], v_all[sel] = k, v
+        keys.append(k_all)
+        values.append(v_all)
+        hidden = hidden + layer.o_proj(causal_attention(q, k_all, v_all, pos[sel], pos, model.scaling))
+        hidden = hidden + layer.mlp(layer.post_norm(hidden))
+        if li in checks:
+            dev_k = (k - reused.keys[li][sel]).pow(2).sum(dim=(1, 2))
+            dev = dev_k + (v - reused.values[li][sel]).pow(2).sum(dim=(1, 2))
+            cand = is_reused[sel]
+            keep = ~cand
+            budget = min(math.ceil(checks[li] * num_reused - 1e-9), int(cand.sum()))
+            keep[torch.topk(torch.where(cand, dev, torch.tensor(-1.0)), budget).indices] = True
+            sel, hidden = sel[keep], hidden[keep]
+    logits = model.logits(model.final_norm(hidden[-1:]))[0]
+    return keys, values, logits, sel
+
+
+@pytest.mark.parametrize("ratios,layers", [((0.2,), (1,)), ((0.5, 0.15), (1, 2)), ((0.0,), (0,))])
+def test_selecting_after_the_check_layers_qkv_changes_nothing(model, ratios, layers):
+    """The check layer's attention and MLP run for the selected tokens only: the KV, the
+    logits and the recomputed tokens equal those of running them for every token first."""
+    sc = rag_prompt(model)
+    config = BlendConfig(ratios, layers)
+    with torch.no_grad():
+        keys, values, logits, sel = reference_blend(model, sc.ids, sc.reused, config)
+    res = blend(model, sc.ids, sc.reused, config)
+    assert res.recomputed.nonzero().flatten().tolist() == sel.tolist()
+    for li in range(len(keys)):
+        torch.testing.assert_close(res.keys[li], keys[li], rtol=0, atol=1e-5)
+        torch.testing.assert_close(res.values[li], values[li], rtol=0, atol=1e-5)
+    torch.testing.assert_close(res.logits, logits, rtol=0, atol=1e-4)
+
+
+def test_consume_writes_into_the_reused_kv_and_gives_the_same_result(model):
+    sc = rag_prompt(model)
+    config = BlendConfig((0.5, 0.15), (1, 2))
+    before = [k.clone() for k in sc.reused.keys]
+    kept = blend(model, sc.ids, sc.reused, config)
+    assert all(torch.equal(a, b) for a, b in zip(before, sc.reused.keys))  # consume=False: untouched
+    owned = ReusedKV(sc.reused.mask, [k.clone() for k in sc.reused.keys], [v.clone() for v in sc.reused.values])
+    consumed = blend(model, sc.ids, owned, config, consume=True)
+    assert torch.equal(consumed.recomputed, kept.recomputed)
+    for li in range(len(kept.keys)):
+        assert torch.equal(consumed.keys[li], kept.keys[li]) and torch.equal(consumed.values[li], kept.values[li])
+        if li > 1:  # after the first check layer: the reused tensor itself, written in place
+            assert consumed.keys[li] is owned.keys[li]
+    torch.testing.assert_close(consumed.logits, kept.logits, rtol=0, atol=0)

@@ -478,12 +478,15 @@ class VLLMBlendModel:
         return self._fp32_table
 
     def rerotate(self, keys: torch.Tensor, old_positions: torch.Tensor, new_positions: torch.Tensor) -> torch.Tensor:
-        """Keys ``[n, kv_heads, head_dim]`` rotated for ``old_positions``, moved to
+        """Keys ``[n, heads, head_dim]`` rotated for ``old_positions``, moved to
         ``new_positions`` with the model's own cos/sin table (delta rotation formed in float64,
-        applied in float32, returned in ``keys``' dtype on ``keys``' device). Raises ValueError
-        for shapes that do not match or positions outside the table."""
-        if keys.dim() != 3 or keys.shape[1:] != (self._num_kv_heads, self._head_dim):
-            raise ValueError(f"keys of shape {tuple(keys.shape)}: expected [n, {self._num_kv_heads}, {self._head_dim}]")
+        applied in float32, returned in ``keys``' dtype on ``keys``' device). ``heads`` is a
+        multiple of the KV heads (several layers side by side). Raises ValueError for shapes
+        that do not match or positions outside the table."""
+        if keys.dim() != 3 or keys.shape[1] % self._num_kv_heads or keys.shape[2] != self._head_dim:
+            raise ValueError(
+                f"keys of shape {tuple(keys.shape)}: expected [n, a multiple of {self._num_kv_heads}, {self._head_dim}]"
+            )
         n = keys.shape[0]
         for name, pos in (("old_positions", old_positions), ("new_positions", new_positions)):
             if pos.dim() != 1 or pos.shape[0] != n or pos.dtype.is_floating_point:

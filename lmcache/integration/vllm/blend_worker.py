@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from lmcache.integration.vllm.connector_metadata import BlendSpec, ReqMeta, SegmentRef
-from lmcache.v1.blend import BlendConfig, CachedSegmentKV, ReusedKV, assemble, blend
+from lmcache.v1.blend import BlendConfig, CachedSegmentKV, ReusedKV, assemble, blend, rerotate_layers
 from lmcache.v1.blend.segments import Segment
 from lmcache.v1.blend.segment_store import SegmentStore
 from lmcache.v1.gpu_connector.layouts import component_tensors
@@ -81,7 +81,7 @@ class BlendRunner:
         # layer run: those need no cached KV
         reading = self._reader.submit(self._reused, tokens, spec, extras, device)
         ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        result = blend(self.model, ids, reading.result, self.config)
+        result = blend(self.model, ids, reading.result, self.config, consume=True)
         reused = reading.result()  # resolved by the blend's first check layer
         kept = int((reused.mask.to(result.recomputed.device) & ~result.recomputed).sum()) if reused is not None else 0
         self._write(kvcaches, slots, result.keys, result.values)
@@ -121,8 +121,8 @@ class BlendRunner:
     # ------------------------------------------------------------------ stores
     def store_segments(self, req: ReqMeta, refs: Sequence[SegmentRef], kvcaches: Sequence[torch.Tensor]) -> int:
         """Store each segment of ``refs`` from the paged cache under its segment keys (keys
-        moved to positions ``0 ..``, in one gather and one re-rotation per layer for all the
-        segments not cached yet). Returns the tokens newly stored."""
+        moved to positions ``0 ..``: one gather per layer, then one re-rotation for every layer
+        and every segment not cached yet). Returns the tokens newly stored."""
         extras = KeyExtras.from_kwargs(dict(req.key_extras))
         todo: list[tuple[Segment, torch.Tensor]] = []
         for ref in refs:
@@ -145,9 +145,10 @@ class BlendRunner:
             k_view, v_view = component_tensors(layer)
             bs = k_view.shape[1]
             b, o = slots // bs, slots % bs
-            k = k_view[b, o]
-            keys.append(self.model.rerotate(k, old, new) if moved else k)
+            keys.append(k_view[b, o])
             values.append(v_view[b, o])
+        if moved:
+            keys = rerotate_layers(self.model, keys, old, new)
         sizes = [len(seg) for seg, _ in todo]
         per_layer_k = [k.split(sizes) for k in keys]
         per_layer_v = [v.split(sizes) for v in values]

@@ -15,7 +15,7 @@ Pure torch, no inference-engine import (the vLLM side is in
 from __future__ import annotations
 
 from lmcache.v1.blend.blender import BlendConfig, BlendResult, blend, deviation, full_prefill
-from lmcache.v1.blend.reused import CachedSegmentKV, ReusedKV, assemble
+from lmcache.v1.blend.reused import CachedSegmentKV, ReusedKV, assemble, rerotate_layers
 from lmcache.v1.blend.rope import RopeSpec, UnsupportedRope
 from lmcache.v1.blend.segments import DEFAULT_SEPARATOR, Segment, SegmentKeys, split_segments
 
@@ -33,5 +33,6 @@ __all__ = [
     "blend",
     "deviation",
     "full_prefill",
+    "rerotate_layers",
     "split_segments",
 ]

@@ -7,10 +7,13 @@ cross-attention to earlier documents; recomputing every token would fix it but c
 full prefill. CacheBlend recomputes only the tokens whose KV deviates most:
 
 1. Layers ``0 .. check`` run for every token (fresh KV for all of them).
-2. At the check layer, each reused token's deviation is the squared L2 distance between its
-   fresh and its cached K and V. The ``ratio`` fraction of the reused tokens with the
-   largest deviation, every token without cached KV (new text, separators) and the last
-   token stay *selected*; the others keep their cached KV from the next layer on.
+2. At the check layer, right after its q/k/v, each reused token's deviation is the squared
+   L2 distance between its fresh and its cached K and V. The ``ratio`` fraction of the
+   reused tokens with the largest deviation, every token without cached KV (new text,
+   separators) and the last token stay *selected*; the others keep the check layer's fresh
+   KV there and their cached KV from the next layer on. The check layer's attention and MLP
+   already run for the selected tokens only (a token's output depends on the others only
+   through their KV, which every token has at that point).
 3. Each following layer computes q/k/v, attention and the MLP for the selected tokens only;
    their attention runs over all tokens' KV (fresh rows for the selected, cached rows for
    the others) with an exact causal mask by position, and their fresh KV is written.
@@ -91,14 +94,20 @@ def blend(
     token_ids: torch.Tensor,
     reused: ReusedKV | Callable[[], ReusedKV | None] | None,
     config: BlendConfig = BlendConfig(),
+    *,
+    consume: bool = False,
 ) -> BlendResult:
     """Prefill ``token_ids`` (1-D, positions ``0..n-1``) reusing ``reused`` KV where given.
 
     ``reused`` may be a function returning it (or None): it is called once, when the first
     check layer needs the cached KV, so that reading it overlaps with the layers before
     (they run for every token and need none). Raises ValueError when shapes disagree or a
-    check layer is past the last layer; an exception of the function propagates. Does not
-    modify the cached KV."""
+    check layer is past the last layer; an exception of the function propagates.
+
+    ``consume=False`` leaves the cached KV as it was. ``consume=True`` lets the blend write
+    each layer's fresh rows into the cached tensors (the result's tensors then *are* those
+    tensors): for a caller that built ``reused`` for this call and reads at most its mask
+    afterwards, it saves a copy of every layer's KV."""
     if token_ids.dim() != 1 or token_ids.shape[0] == 0:
         raise ValueError("token_ids: expected a non-empty 1-D tensor")
     layers = list(model.layers)
@@ -120,30 +129,41 @@ def blend(
     for li, layer in enumerate(layers):
         t0 = time.perf_counter()
         q, k, v = layer.qkv(layer.input_norm(hidden), positions[sel])
+        if li in checks and pending is not None:
+            cached, pending = pending(), None
+            is_reused, num_reused = _reused_mask(cached, n, len(layers), device)
+        keep = None
+        if li in checks and num_reused and cached is not None:
+            # chosen before this layer's KV is written: the deviation compares with the cached rows
+            keep = _select(k, v, cached, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
         if sel.shape[0] == n:
             k_all, v_all = k, v
         else:
             assert cached is not None
-            k_all = cached.keys[li].to(device=device, dtype=k.dtype).clone()
-            v_all = cached.values[li].to(device=device, dtype=v.dtype).clone()
+            k_all = _layer_rows(cached.keys[li], k, consume)
+            v_all = _layer_rows(cached.values[li], v, consume)
             k_all[sel] = k
             v_all[sel] = v
         out_k.append(k_all)
         out_v.append(v_all)
+        if keep is not None and keep.shape[0] < sel.shape[0]:
+            q, sel, hidden = q[keep], sel[keep], hidden[keep]
         attn = causal_attention(q, k_all, v_all, positions[sel], positions, model.scaling)
         hidden = hidden + layer.o_proj(attn)
         hidden = hidden + layer.mlp(layer.post_norm(hidden))
-        if li in checks and pending is not None:
-            cached, pending = pending(), None
-            is_reused, num_reused = _reused_mask(cached, n, len(layers), device)
-        if li in checks and num_reused and cached is not None:
-            keep = _select(k, v, cached, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
-            sel, hidden = sel[keep], hidden[keep]
         layer_seconds.append(time.perf_counter() - t0)
     normed = model.final_norm(hidden[-1:])
     recomputed = torch.zeros(n, dtype=torch.bool, device=device)
     recomputed[sel] = True
     return BlendResult(out_k, out_v, normed[0], model.logits(normed)[0], recomputed, tuple(layer_seconds))
+
+
+def _layer_rows(cached: torch.Tensor, fresh: torch.Tensor, consume: bool) -> torch.Tensor:
+    """A tensor for one layer's K or V of every token, starting from the cached rows, in
+    ``fresh``'s dtype and device: the cached tensor itself when it may be consumed and
+    already matches, else a copy."""
+    out = cached.to(device=fresh.device, dtype=fresh.dtype)
+    return out if consume or out is not cached else out.clone()
 
 
 def _reused_mask(reused: ReusedKV | None, n: int, num_layers: int, device: torch.device) -> tuple[torch.Tensor, int]:

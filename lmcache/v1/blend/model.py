@@ -79,15 +79,12 @@ def causal_attention(
     """Attention of ``q`` (``[m, Hq, D]``) over ``k``/``v`` (``[n, Hkv, D]``, ``Hq`` a multiple
     of ``Hkv``): query ``i`` sees key ``j`` iff ``kv_positions[j] <= q_positions[i]`` (exact
     causal mask by position, so any subset of queries can be computed). Returns ``[m, Hq * D]``."""
-    groups = q.shape[1] // k.shape[1]
-    assert groups * k.shape[1] == q.shape[1], "query heads must be a multiple of KV heads"
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    # [1, heads, tokens, dim]: the batched layout takes torch's fused CPU/GPU kernels
+    assert q.shape[1] % k.shape[1] == 0, "query heads must be a multiple of KV heads"
+    # [1, heads, tokens, dim]: the batched layout takes torch's fused CPU/GPU kernels; grouped
+    # query heads share their KV head inside the kernel (enable_gqa), without copies of K/V
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if q_positions.shape == kv_positions.shape and torch.equal(q_positions, kv_positions) and _increasing(kv_positions):
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scaling, enable_gqa=True)
     elif _increasing(q_positions) and _increasing(kv_positions):
         out = _blocked(qb, kb, vb, q_positions, kv_positions, scaling)
     else:
@@ -105,7 +102,7 @@ def _masked(
 ) -> torch.Tensor:
     allowed = kv_pos[None, :] <= q_pos[:, None]
     bias = torch.zeros(allowed.shape, dtype=qb.dtype, device=qb.device).masked_fill_(~allowed, float("-inf"))
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias[None, None], scale=scaling)
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias[None, None], scale=scaling, enable_gqa=True)
 
 
 def _blocked(

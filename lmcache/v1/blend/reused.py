@@ -13,14 +13,30 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["CachedSegmentKV", "Rerotator", "ReusedKV", "assemble"]
+__all__ = ["CachedSegmentKV", "Rerotator", "ReusedKV", "assemble", "rerotate_layers"]
 
 
 class Rerotator(Protocol):
     """Moves keys computed at ``old`` positions to ``new`` positions (a :class:`~.rope.RopeSpec`,
     or an engine adapter using the model's own rotary tables)."""
 
-    def rerotate(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor: ...
+    def rerotate(self, keys: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``keys`` ``[n, heads, head_dim]``; ``heads`` may be any multiple of the model's KV
+        heads (:func:`rerotate_layers` folds the layers into it)."""
+        ...
+
+
+def rerotate_layers(
+    rope: Rerotator, keys: Sequence[torch.Tensor], old: torch.Tensor, new: torch.Tensor
+) -> list[torch.Tensor]:
+    """Every layer's keys (each ``[n, heads, head_dim]``, the same rows) moved from ``old`` to
+    ``new`` positions in one call: the layers are laid side by side as heads, so the delta
+    rotation's cos/sin are formed once for all layers instead of once per layer. New tensors."""
+    if not keys:
+        return []
+    heads = keys[0].shape[1]
+    moved = rope.rerotate(torch.cat(list(keys), dim=1), old, new)
+    return list(moved.split(heads, dim=1))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -63,7 +79,7 @@ class CachedSegmentKV:
 def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotator) -> ReusedKV:
     """The :class:`ReusedKV` of a ``num_tokens`` prompt holding ``segments`` (new tensors;
     the segments' tensors are only read). Keys are re-rotated in one call per layer for all
-    segments together. Raises ValueError for overlapping segments, one past the prompt's end,
+    segments and layers together. Raises ValueError for overlapping segments, one past the prompt's end,
     or layer counts/shapes that disagree."""
     if not segments:
         raise ValueError("assemble: no segments")
@@ -95,6 +111,7 @@ def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotat
     if moved.numel():
         new_pos, from_pos = moved, old_pos[moved]
         rows = moved.to(ref.device)
-        for li in range(num_layers):
-            keys[li][rows] = rope.rerotate(keys[li][rows], from_pos, new_pos)
+        rotated = rerotate_layers(rope, [k[rows] for k in keys], from_pos, new_pos)
+        for k, r in zip(keys, rotated):
+            k[rows] = r
     return ReusedKV(mask, keys, values)
