@@ -560,19 +560,29 @@ class KVProbe:
         from lmcache.integration.vllm import worker_side
 
         probe, real_save, real_load = self, worker_side.WorkerConnector.wait_for_save, worker_side.WorkerConnector.start_load_kv
+        real_finished = worker_side.WorkerConnector.store_finished
+
+        def record(worker: Any, req: Any) -> None:
+            s = req.save
+            rows, valid = probe._rows(worker, req, s.end)
+            for t in range(s.skip, s.end):  # the token's prefix names it
+                if not bool(valid[t].all()):
+                    continue
+                seen = probe.saved.setdefault(tuple(req.token_ids[: t + 1].tolist()), [])
+                if not any(bool((r == rows[t]).all()) for r in seen):
+                    seen.append(rows[t])
 
         def wait_for_save(worker: Any) -> None:
             real_save(worker)
             for req in worker._reqs:
-                if req.save is not None and req.req_id not in worker._failed:
-                    s = req.save
-                    rows, valid = probe._rows(worker, req, s.end)
-                    for t in range(s.skip, s.end):  # the token's prefix names it
-                        if not bool(valid[t].all()):
-                            continue
-                        seen = probe.saved.setdefault(tuple(req.token_ids[: t + 1].tolist()), [])
-                        if not any(bool((r == rows[t]).all()) for r in seen):
-                            seen.append(rows[t])
+                if req.save is not None and not req.finished_store and req.req_id not in worker._failed:
+                    record(worker, req)
+
+        def store_finished(worker: Any) -> set[str]:
+            for req in worker._reqs:  # lazy_store: finished requests' blocks, held by vLLM
+                if req.finished_store and req.save is not None:
+                    record(worker, req)
+            return real_finished(worker)
 
         def start_load_kv(worker: Any) -> None:
             real_load(worker)
@@ -588,6 +598,7 @@ class KVProbe:
 
         worker_side.WorkerConnector.wait_for_save = wait_for_save  # type: ignore[method-assign]
         worker_side.WorkerConnector.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        worker_side.WorkerConnector.store_finished = store_finished  # type: ignore[method-assign]
 
     def take(self) -> dict[str, int]:
         out = {"checked": self.checked, "equal": self.equal}

@@ -255,6 +255,7 @@ _PARSERS = {
     "remote_password": _as_secret,
     "save_unfull_chunk": _as_bool,
     "save_decode_cache": _as_bool,
+    "lazy_store": _as_bool,
     "block_granular_reuse": _as_bool,
     "use_layerwise": _as_bool,
     "cache_policy": _as_policy,
@@ -334,6 +335,11 @@ class LMCacheEngineConfig:
     save_decode_cache: bool = False
     """Also store the KV of generated tokens (vLLM adapter: whole blocks, as they complete), so
     a next chat turn that repeats the answer finds it."""
+    lazy_store: bool = False
+    """vLLM adapter: store a request's KV (prompt and answer) once, in the step after it
+    finished (vLLM keeps its blocks until then), instead of in the steps that compute it
+    (docs/async_loading.md#lazy-store): its own steps and its time to first token carry no
+    store. Off: prompts are stored as they are computed (answers with save_decode_cache)."""
     block_granular_reuse: bool = True
     """Reuse cached KV at the serving engine's block granularity (needs the block size in
     the engine metadata; the vLLM adapter passes it). See :mod:`lmcache.v1.block_reuse`."""
@@ -589,6 +595,12 @@ class LMCacheEngineConfig:
         if not 1 <= self.blend_max_segments <= MAX_BLEND_SEGMENTS:
             raise ConfigError(f"blend_max_segments={self.blend_max_segments!r}: expected an integer in "
                               f"1..{MAX_BLEND_SEGMENTS}")
+        if self.lazy_store and (self.enable_pd or self.enable_blending):
+            other = "enable_pd" if self.enable_pd else "enable_blending"
+            raise ConfigError(
+                f"lazy_store=True with {other}=True: expected one of them off (a prefiller's KV must be in the "
+                "remote store when its answer returns; a blend stores segments and results as it computes them)"
+            )
         if self.enable_blending and self.enable_pd:
             raise ConfigError(
                 "enable_blending=True with enable_pd=True: a blended prompt's KV is an approximation and "

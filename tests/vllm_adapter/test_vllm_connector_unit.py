@@ -98,6 +98,7 @@ class FakeRequest:
     lora_request: Any = None
     mm_features: tuple = ()
     kv_transfer_params: dict[str, Any] | None = None
+    num_computed_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -164,6 +165,8 @@ class MiniVLLM:
         self.free_blocks = list(range(SPEC.num_blocks))
         self.layerwise = self.worker.settings.config.use_layerwise
         self.step_log: list[dict[str, Any]] = []
+        self.held: dict[str, list[int]] = {}
+        """Finished requests whose blocks vLLM keeps until the worker reports them (lazy_store)."""
 
     @property
     def engine(self):
@@ -189,9 +192,24 @@ class MiniVLLM:
         self.worker.start_load_kv(None)
         self._forward(req, blocks, start, num)
         self.worker.wait_for_save()
-        assert self.worker.get_finished(set()) == (None, None)
+        self._finished()
         assert self.worker.get_kv_events() == []
         return self.worker.get_block_ids_with_load_errors()
+
+    def _finished(self) -> None:
+        sending, recving = self.worker.get_finished(set())
+        assert recving is None
+        for req_id in sending or ():  # vLLM frees a held request's blocks once it is reported
+            self.free_blocks.extend(self.held.pop(req_id))
+
+    def idle_step(self) -> None:
+        """A step that schedules nothing (vLLM runs it while finished requests hold blocks):
+        metadata, load and ``get_finished``; no forward, no ``wait_for_save``."""
+        meta = self.scheduler.build_connector_meta(sched_output())
+        self.step_log.append({"meta": meta, "start": 0, "num": 0})
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        self._finished()
 
     def serve(self, req: FakeRequest) -> dict[str, Any]:
         """Prefill ``req`` (chunked by ``budget``); returns what happened."""
@@ -216,8 +234,12 @@ class MiniVLLM:
                 computed = min(computed, bad[0] * BLOCK)
                 continue
             computed += num
-        self.scheduler.request_finished(req, blocks)
-        self.free_blocks.extend(blocks)
+        req.num_computed_tokens = computed
+        delay, _ = self.scheduler.request_finished(req, blocks)
+        if delay:
+            self.held[req.request_id] = blocks
+        else:
+            self.free_blocks.extend(blocks)
         return {"external": external, "blocks": blocks, "errors": errors_seen}
 
     def assert_kv_correct(self, req: FakeRequest, blocks: list[int]) -> None:

@@ -130,6 +130,9 @@ class ReqMeta:
     ``load_failed``: the scheduler side could not plan this (asynchronous) load; the worker
     reports the whole request failed (several KV cache groups: vLLM takes no block-level
     failures there, and recomputes the request from its start).
+    ``finished_store``: a finished request's store (``lazy_store``): vLLM holds its blocks
+    until every worker reports the request in ``get_finished``'s sending set, which the
+    worker does once it stored ``save`` (or could not), in the step this arrives.
     """
 
     req_id: str
@@ -150,6 +153,7 @@ class ReqMeta:
     load_failed: bool = False
     state_load: StateRef | None = None
     state_save: StateRef | None = None
+    finished_store: bool = False
 
     @property
     def load_key_extras(self) -> dict[str, Any]:

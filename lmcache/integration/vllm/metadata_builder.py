@@ -137,6 +137,25 @@ class AdapterSettings:
         return self.head_size if self.use_mla else self.num_kv_heads * self.head_size
 
 
+def lazy_store_usable(settings: AdapterSettings) -> bool:
+    """``lazy_store``, unless the KV layout keeps blocks the request no longer holds in step
+    (then one log line, and stores stay in the steps that compute the KV): several KV cache
+    groups, a sliding window (vLLM frees blocks while the request runs) or a recurrent state."""
+    cfg = settings.config
+    if not cfg.lazy_store:
+        return False
+    problem = None
+    if settings.hybrid or settings.kv_groups.state_group is not None:
+        problem = "several KV cache groups (hybrid KV cache manager) or a recurrent state"
+    elif settings.window is not None:
+        problem = "a sliding-window model (vLLM frees its blocks while the request runs)"
+    if problem is not None:
+        logger.warning("lmcache: lazy_store is off for %s: %s; KV is stored as it is computed",
+                       settings.model_name, problem)  # fmt: skip
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class LookupOptions:
     """The scheduler-lookup options of the adapter (``extra_config``; typed, see

@@ -187,6 +187,10 @@ class PlannerConfig:
     are made durable, a decoder waits for signed announced KV."""
     blend: bool = False
     """Blending on: complete prompts store their segments; blended prompts store exact chunks only."""
+    lazy_store: bool = False
+    """Store a request's KV (prompt and answer) once, after it finished (vLLM holds its
+    blocks until the workers report the store), not in the steps that compute it. Only for
+    one full-attention group without blending or disaggregated prefill."""
 
 
     @property
@@ -216,9 +220,11 @@ class RequestPlanner:
         self.config = config
         self._trackers: dict[str, RequestTracker] = {}
         self.warn = failure_logger(logger)
-        self.counters = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
-                         "pd_refused": 0, "failed_async_loads": 0}
+        self.counters: dict[str, int] = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
+                         "pd_refused": 0, "failed_async_loads": 0, "lazy_stores": 0, "lazy_store_tokens": 0}
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
+        self._finished_stores: list[ReqMeta] = []
+        """Finished requests' stores (``lazy_store``) for the next connector metadata."""
         self._async_new: dict[str, RequestTracker] = {}
         """Requests whose asynchronous load vLLM accepted (:meth:`on_alloc`), for :meth:`build`:
         kept even if the request finishes first (vLLM frees its blocks only once the worker
@@ -367,7 +373,8 @@ class RequestPlanner:
     def build(self, scheduler_output: Any) -> list[ReqMeta]:
         """Specs of every scheduled request that loads or saves this step, and of the
         asynchronous loads vLLM accepted since the last call (their requests wait)."""
-        out: list[ReqMeta] = self._async_loads()
+        out, self._finished_stores = self._finished_stores, []
+        out += self._async_loads()
         num_sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new.req_id)
@@ -516,12 +523,12 @@ class RequestPlanner:
             tracker.blended = None  # computed from scratch (again, after a preemption)
             tracker.result_loaded = False
         save = None
-        if cfg.enable_save:
+        if cfg.enable_save and not cfg.lazy_store:
             save = save_range(
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
         segment_saves = self._segment_saves(tracker, num_computed + num_scheduled)
-        if save is None and cfg.enable_save and cfg.save_decode and num_computed >= tracker.prompt_len:
+        if save is None and cfg.enable_save and cfg.save_decode and not cfg.lazy_store and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
         result_save = None
         blended_now, tracker.save_blended = blend is not None or tracker.save_blended, False
@@ -610,6 +617,30 @@ class RequestPlanner:
     # --------------------------------------------------------------- lifecycle
     def finish(self, req_id: str) -> None:
         self._trackers.pop(req_id, None)
+
+    def defer_store(self, request: Any) -> bool:
+        """``lazy_store``: plan the finished ``request``'s store (the tokens vLLM computed,
+        prompt and answer, cut to whole blocks or chunks as a step's save is) for the next
+        connector metadata. Returns whether one was planned: vLLM must then keep the
+        request's blocks until the workers report it (``request_finished`` returns True)."""
+        cfg = self.config
+        tracker = self._trackers.get(request.request_id)
+        if not cfg.lazy_store or not cfg.enable_save or tracker is None or tracker.async_waiting:
+            return False
+        n = min(int(getattr(request, "num_computed_tokens", 0) or 0), len(request.all_token_ids))
+        end = n if cfg.save_unfull_chunk else n - n % (cfg.reuse_block_size or cfg.chunk_size)
+        # chunks the last lookup found are in the cache already (the engine skips stored chunks too)
+        skip = min(tracker.num_hit - tracker.num_hit % cfg.chunk_size, end - end % cfg.chunk_size)
+        blocks = tracker.block_ids[0][: -(-end // cfg.block_size)] if end > 0 else []
+        if end <= skip or len(blocks) * cfg.block_size < end or any(b < 0 for b in blocks):
+            return False
+        self._finished_stores.append(ReqMeta(
+            tracker.req_id, tracker.token_ids(end), self._slots(tracker, end, end), cfg.block_size,
+            save=SaveSpec(skip, end), key_extras=tracker.key_extras, finished_store=True,
+        ))  # fmt: skip
+        self.counters["lazy_stores"] += 1
+        self.counters["lazy_store_tokens"] += end - skip
+        return True
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self._trackers

@@ -31,7 +31,7 @@ from typing import Any
 from lmcache.integration.vllm.blend_planner import BlendOffer, BlendPlanner, BlendRules
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata
 from lmcache.integration.vllm.lookup_service import LookupClient
-from lmcache.integration.vllm.metadata_builder import AdapterSettings
+from lmcache.integration.vllm.metadata_builder import AdapterSettings, lazy_store_usable
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner, RequestTracker
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.naming import engine_for, socket_path
@@ -221,6 +221,7 @@ class SchedulerConnector:
                 if settings.kv_groups.state_group is not None else 0,
                 pd=settings.pd,
                 blend=self.blender is not None,
+                lazy_store=lazy_store_usable(settings),
             )
         )
         self.fingerprint = settings.fingerprint
@@ -563,18 +564,27 @@ class SchedulerConnector:
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous (done in ``wait_for_save``): blocks can be freed at once.
-        A prefill for a remote decoder returns the decoder leg's ``kv_transfer_params``
-        (its KV is durable in the remote store by now: its saves were waited for)."""
+        With ``lazy_store`` the request's KV is stored now, once: vLLM keeps its blocks
+        until the workers report the store (True). A prefill for a remote decoder returns the
+        decoder leg's ``kv_transfer_params`` (its KV is durable in the remote store by now:
+        its saves were waited for)."""
         tracker = self.planner.get(request.request_id)
         params = None
         if tracker is not None and tracker.pd is not None and tracker.pd.send:
             params = self.fingerprint.transfer_params(list(request.prompt_token_ids))
             self.counters["pd_sent_requests"] += 1
+        delay = False
+        if self.planner.config.lazy_store:
+            try:
+                delay = self.planner.defer_store(request)
+            except Exception as exc:  # noqa: BLE001 - a store not planned is a future miss
+                self.warn("lazy", "lmcache: planning the store of finished %s failed (%s: %s); not stored",
+                          request.request_id, type(exc).__name__, exc)  # fmt: skip
         self.planner.finish(request.request_id)
         self._memos.pop(request.request_id, None)
         self._pd_waiting.discard(request.request_id)
         self._async.discard(request.request_id)
-        return False, params
+        return delay, params
 
     def close(self) -> None:
         unregister_scheduler_stats(self.settings.engine_id, self.snapshot)

@@ -354,11 +354,18 @@ class LMCacheConnectorV1Impl:
             self.warn("save", "lmcache: save failed (%s: %s)", type(exc).__name__, exc)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(None, the asynchronous loads settled this step): saves are synchronous, loads
-        are unless ``enable_async_loading`` (:mod:`.async_loads`). Called once per step, with
-        or without a forward; the multiprocess metrics route exports here too."""
+        """(finished requests stored this step (``lazy_store``), the asynchronous loads
+        settled this step): other saves are synchronous, loads are unless
+        ``enable_async_loading`` (:mod:`.async_loads`). Called once per step, with or
+        without a forward; the multiprocess metrics route exports here too."""
         recving: set[str] = set()
+        sending: set[str] = set()
         if self.worker is not None:
+            try:
+                sending = self.worker.store_finished()
+            except Exception as exc:  # noqa: BLE001 - never crash the step
+                sending = {r.req_id for r in self.worker._reqs if r.finished_store}  # vLLM frees their blocks
+                self.warn("lazy", "lmcache: storing finished requests failed (%s: %s)", type(exc).__name__, exc)
             try:
                 recving = self.worker.finish_async()
             except Exception as exc:  # noqa: BLE001 - never crash the step
@@ -368,7 +375,7 @@ class LMCacheConnectorV1Impl:
                 self._exporter.step()
             except Exception as exc:  # noqa: BLE001
                 self.warn("metrics", "lmcache metrics: export failed (%s: %s)", type(exc).__name__, exc)
-        return None, (recving or None)
+        return (sending or None), (recving or None)
 
     def get_kv_connector_stats(self) -> dict[str, Any] | None:
         """This worker's metrics payload since the last call (route a), or None; on the

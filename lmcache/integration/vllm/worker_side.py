@@ -146,7 +146,9 @@ class LayerwiseSteps:
     def save_layer(self, w: WorkerConnector) -> None:
         if w._storages is None:
             w._storages = []
-            streaming = [r for r in w._reqs if r.save is not None and r.load is None and r.req_id not in w._failed]
+            streaming = [
+                r for r in w._reqs if r.save is not None and r.load is None and not r.finished_store and r.req_id not in w._failed
+            ]
             for i, req in enumerate(streaming):
                 w._start_storage(req, first=i == 0)
         for s in list(w._storages):
@@ -353,6 +355,20 @@ class WorkerConnector:
         self.async_loads.start_blend(req, work)
         self.engine.stats.add(async_loads=1)
 
+    def store_finished(self) -> set[str]:
+        """vLLM's worker thread, once per step (``get_finished``, with or without a forward):
+        store the finished requests of this step's metadata (``lazy_store``; vLLM holds their
+        blocks until then) and return their ids, stored or not (a failed store is a future
+        miss; vLLM frees the blocks either way)."""
+        done: set[str] = set()
+        for req in self._reqs:
+            if not req.finished_store:
+                continue
+            if req.save is not None and self._usable():
+                self._store_whole(req)
+            done.add(req.req_id)
+        return done
+
     def finish_async(self) -> set[str]:
         """vLLM's worker thread, once per step (``get_finished``): copy the asynchronous loads
         that are ready (prefetched, or past ``async_load_timeout``) into their blocks. Returns
@@ -466,7 +482,7 @@ class WorkerConnector:
                 self._finish_storage(s)
             self._storages = None
             for req in self._reqs:
-                if req.save is None or req.req_id in self._failed or req.req_id in streamed:
+                if req.save is None or req.finished_store or req.req_id in self._failed or req.req_id in streamed:
                     continue
                 self._store_whole(req)
                 if req.state_save is not None and self.state_rows:
