@@ -24,7 +24,10 @@ Server set-ups (one fresh server each; ``--configs`` picks a subset):
 * ``lmcache-disk``: a CPU tier smaller than the working set plus a local disk tier;
 * ``lmcache-redis``: a CPU tier smaller than the working set plus a Redis tier (a
   ``redis-server`` this script starts on a free port, persistence off);
-* ``lmcache-cpu+prefix-small-kv`` (not in the default list): both caches, small KV memory.
+* ``lmcache-cpu+prefix-small-kv`` (not in the default list): both caches, small KV memory;
+* ``lmcache-cpu-lazy``, ``lmcache-cpu+prefix-lazy``, ``lmcache-cpu-small-kv-lazy`` (not in
+  the default list): those set-ups with ``lazy_store: true`` (each request's KV, prompt
+  and answer, stored once after it finished).
 
 Every server gets ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (``--reserved-cpus``): vLLM's
 CPU backend reserves one more core when a KV connector is configured, which on a
@@ -121,6 +124,7 @@ class Setup:
     disk: bool = False
     redis: bool = False
     decode: bool = False  # save_decode_cache: generated tokens' KV stored too
+    lazy: bool = False  # lazy_store: each request stored once after it finished (prompt and answer)
 
 
 SETUPS = (
@@ -131,6 +135,11 @@ SETUPS = (
     Setup("lmcache-cpu-decode", "lmcache CPU tier with save_decode_cache (answers cached too)", lmcache=True,
           decode=True),
     Setup("lmcache-cpu+prefix", "lmcache CPU tier and vLLM prefix caching", lmcache=True, prefix_caching=True),
+    Setup("lmcache-cpu-lazy", "lmcache CPU tier with lazy_store, vLLM prefix caching off", lmcache=True, lazy=True),
+    Setup("lmcache-cpu+prefix-lazy", "lmcache CPU tier with lazy_store and vLLM prefix caching", lmcache=True,
+          prefix_caching=True, lazy=True),
+    Setup("lmcache-cpu-small-kv-lazy", "lmcache CPU tier with lazy_store, prefix caching off, small KV memory",
+          lmcache=True, small_kv=True, lazy=True),
     Setup("lmcache-cpu-small-kv", "lmcache CPU tier, vLLM prefix caching off, small KV memory", lmcache=True,
           small_kv=True),
     Setup("lmcache-cpu+prefix-small-kv", "lmcache CPU tier and vLLM prefix caching, small KV memory", lmcache=True,
@@ -141,9 +150,11 @@ SETUPS = (
           cpu_tier="small", redis=True),
 )  # fmt: skip
 BY_NAME = {s.name: s for s in SETUPS}
-DEFAULT_SETUPS = [s.name for s in SETUPS if s.name != "lmcache-cpu+prefix-small-kv"]
-FITS_COMPARED = ("lmcache-cpu", "lmcache-cpu-decode", "lmcache-cpu+prefix")  # against vllm-prefix (goal 2)
-SMALL_COMPARED = ("lmcache-cpu-small-kv", "lmcache-cpu+prefix-small-kv")  # against vllm-prefix-small (goal 3)
+DEFAULT_SETUPS = [s.name for s in SETUPS if s.name != "lmcache-cpu+prefix-small-kv" and not s.lazy]
+FITS_COMPARED = ("lmcache-cpu", "lmcache-cpu-decode", "lmcache-cpu+prefix", "lmcache-cpu-lazy",
+                 "lmcache-cpu+prefix-lazy")  # against vllm-prefix (goal 2)
+SMALL_COMPARED = ("lmcache-cpu-small-kv", "lmcache-cpu+prefix-small-kv",
+                  "lmcache-cpu-small-kv-lazy")  # against vllm-prefix-small (goal 3)
 
 
 @dataclass(frozen=True)
@@ -266,6 +277,8 @@ def lmcache_yaml(setup: Setup, sizes: Sizes, workdir: Path, chunk: int, redis_ur
         lines += [f'remote_url: "{redis_url}"']
     if setup.decode:
         lines += ["save_decode_cache: true"]
+    if setup.lazy:
+        lines += ["lazy_store: true"]
     # lookup sockets in the default private directory: paths under the work directory can
     # exceed the 107 bytes a Unix socket path may have (lmcache refuses such a directory)
     return "\n".join(lines) + "\n"

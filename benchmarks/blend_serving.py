@@ -432,6 +432,7 @@ def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
     return text + (
         f'enable_blending: true\nblend_special_str: "{rag.SEP_TEXT}"\nblend_recompute_ratios: {ratio}\n'
         f"blend_check_layers: {args.check_layers}\nblend_min_tokens: {args.blend_min_tokens}\n"
+        f"blend_sink_tokens: {getattr(args, 'sink_tokens', 0)}\n"
     )
 
 
@@ -1020,6 +1021,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "evicted first and their prompts are no longer blended")
     ap.add_argument("--check-layers", type=int, default=1, help="blend_check_layers")
     ap.add_argument("--blend-min-tokens", type=int, default=256)
+    ap.add_argument("--sink-tokens", type=int, default=0,
+                    help="blend_sink_tokens: the first cached tokens of each reused document recomputed")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: the longest prompt (one prefill step)")
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--keep-workdir", action="store_true", help="keep the server logs and configs")

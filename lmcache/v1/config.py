@@ -284,6 +284,7 @@ _PARSERS = {
     "blend_check_layers": _as_int_list,
     "blend_min_tokens": _as_int,
     "blend_min_segment_tokens": _as_int,
+    "blend_sink_tokens": _as_int,
     "blend_max_segments": _as_int,
     "blend_thresholds": _as_float_list,
 }
@@ -410,6 +411,10 @@ class LMCacheEngineConfig:
     blend_min_segment_tokens: int = 16
     """Segments (documents) shorter than this are neither stored nor reused as segments:
     they are recomputed with the prompt (bounds the entries one prompt can create)."""
+    blend_sink_tokens: int = 0
+    """Blending: the first this-many cached tokens of every reused segment are recomputed
+    (a document cached alone from position 0 attends to its first tokens as attention
+    sinks; in a prompt they are no longer its first). 0: only the first word (the key's lead)."""
     blend_max_segments: int = 64
     """Most segments one prompt is split into; a prompt with more separators is not blended
     and stores no segments (bounds the work one prompt can put on the worker)."""
@@ -590,6 +595,8 @@ class LMCacheEngineConfig:
             )
         if self.blend_min_tokens < 1:
             raise ConfigError(f"blend_min_tokens={self.blend_min_tokens!r}: expected an integer >= 1")
+        if self.blend_sink_tokens < 0:
+            raise ConfigError(f"blend_sink_tokens={self.blend_sink_tokens!r}: expected an integer >= 0")
         if self.blend_min_segment_tokens < 1:
             raise ConfigError(f"blend_min_segment_tokens={self.blend_min_segment_tokens!r}: expected an integer >= 1")
         if not 1 <= self.blend_max_segments <= MAX_BLEND_SEGMENTS:

@@ -146,3 +146,43 @@ def test_only_a_first_segment_ended_by_the_separator_is_stored(mini):
     assert mini.engine.stats.blend_stored_segment_tokens == 20  # the first segment only
     mini.serve(FakeRequest("alone", list(doc) + SEP))
     assert mini.engine.stats.blend_stored_segment_tokens == 60
+
+
+def test_sink_tokens_of_each_reused_segment_are_recomputed(mini, model):
+    """``blend_sink_tokens``: the first K cached tokens of every reused segment get no cached
+    KV (the blend computes them); the rest keep exactly the KV they get without it."""
+    from lmcache.integration.vllm.connector_metadata import BlendSpec
+    from lmcache.v1.request import KeyExtras
+
+    runner = BlendRunner(model, mini.engine.segments, BlendConfig((0.15,), (1,)))
+    prompt, refs = [], []
+    for d in range(3):
+        start = len(prompt)
+        doc = rnd(30 + d, 70 + d)
+        prompt += doc + SEP
+        refs.append(SegmentRef(start, start + len(doc)))
+    req = type("Req", (), {"token_ids": torch.tensor(prompt), "slot_mapping": torch.arange(len(prompt)),
+                           "key_extras": {}})()  # fmt: skip
+    runner.store_segments(req, refs, mini.kv)
+    # the same documents in another order, each after different text
+    order = [2, 0, 1]
+    moved, spec_refs = rnd(5, 99), []
+    for i in order:
+        start = len(moved)
+        moved += prompt[refs[i].start : refs[i].end] + SEP
+        spec_refs.append(SegmentRef(start, start + refs[i].end - refs[i].start, cached=refs[i].end - refs[i].start))
+    spec = BlendSpec(len(moved), tuple(spec_refs))
+    tokens = torch.tensor(moved)
+    extras = KeyExtras.from_kwargs({})
+    plain = runner._reused(tokens, spec, extras, torch.device("cpu"))
+    runner.sink_tokens = 4
+    sunk = runner._reused(tokens, spec, extras, torch.device("cpu"))
+    want = plain.mask.clone()
+    for r in spec_refs:
+        want[r.start : r.start + 4] = False
+    assert torch.equal(sunk.mask, want) and int((plain.mask & ~sunk.mask).sum()) == 4 * len(spec_refs)
+    for li in range(LAYERS):
+        torch.testing.assert_close(sunk.keys[li][want], plain.keys[li][want], rtol=0, atol=1e-6)
+        assert torch.equal(sunk.values[li][want], plain.values[li][want])
+    runner.sink_tokens = 1000  # longer than every segment: nothing reused
+    assert runner._reused(tokens, spec, extras, torch.device("cpu")) is None

@@ -57,10 +57,12 @@ class BlendRunner:
     ``model``: the served model as a blend model (``rerotate(keys, old, new)`` plus the
     :class:`~lmcache.v1.blend.model.BlendModel` protocol)."""
 
-    def __init__(self, model: Any, store: SegmentStore, config: BlendConfig) -> None:
+    def __init__(self, model: Any, store: SegmentStore, config: BlendConfig, sink_tokens: int = 0) -> None:
         self.model = model
         self.store = store
         self.config = config
+        self.sink_tokens = sink_tokens
+        """The first cached tokens of each reused segment that are recomputed (``blend_sink_tokens``)."""
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-blend-read")
         """Reads a blend's segments while its first layers run (one blend at a time)."""
 
@@ -100,11 +102,12 @@ class BlendRunner:
         end = min(ref.end, limit)  # the prompt's last token is vLLM's: a segment holding it is cut
         seg = Segment(ref.start, end, tuple(int(t) for t in tokens[ref.start : end]), ref.lead)
         kv = self.store.get(seg, min(ref.cached, end - ref.start), extras)
-        if kv.num_tokens == 0:
+        sink = self.sink_tokens
+        if kv.num_tokens <= sink:
             return None
-        keys = [k.to(device) for k in kv.keys]
-        values = [v.to(device) for v in kv.values]
-        return CachedSegmentKV(ref.start, keys, values, old_start=0)
+        keys = [k[sink:].to(device) for k in kv.keys]  # the first `sink` tokens are recomputed
+        values = [v[sink:].to(device) for v in kv.values]
+        return CachedSegmentKV(ref.start + sink, keys, values, old_start=sink)
 
     @staticmethod
     def _write(
@@ -186,4 +189,4 @@ def make_runner(engine: Any, engine_id: str) -> BlendRunner | None:
         logger.warning("lmcache: blending unavailable on this worker: %s; blended prompts are recomputed", exc)
         return None
     logger.info("lmcache: blending ready (%d layers, check layers %s)", bm.num_layers, list(config.check_layers))
-    return BlendRunner(bm, engine.segments, config)
+    return BlendRunner(bm, engine.segments, config, cfg.blend_sink_tokens)
