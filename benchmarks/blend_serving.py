@@ -241,7 +241,7 @@ def make_prompts(tokenizer: Any, args: argparse.Namespace) -> list[Prompt]:
     return out
 
 
-SCENARIOS = ("quality", "cold", "repeat")
+SCENARIOS = ("quality", "cold", "repeat", "stall")
 
 
 def tagged_prompt(tokenizer: Any, kind: str, q: int, order: tuple[int, ...], tag: str | None) -> Prompt:
@@ -1029,7 +1029,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", type=Path, help="write the answers, timings and the table here")
     ap.add_argument("--scenario", choices=SCENARIOS, default="quality",
                     help="quality: the ratios' accuracy and TTFT (above); cold: never-seen documents, blend on vs off; "
-                         "repeat: the same prompt sent again, blend on vs off")
+                         "repeat: the same prompt sent again, blend on vs off; stall: other users' inter-token "
+                         "latency while a prompt is blended (benchmarks/blend_stall.py)")
+    from benchmarks import blend_stall
+
+    blend_stall.add_arguments(ap)
     ap.add_argument("--scenario-prompts", type=int, default=8, help="cold/repeat: prompt shapes")
     ap.add_argument("--scenario-docs", type=int, default=4, help="cold/repeat: documents per prompt (~1.5k tokens)")
     ap.add_argument("--replicates", type=int, default=None,
@@ -1051,6 +1055,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"cannot run: {exc}")
         return 1
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.scenario == "stall":
+        from benchmarks import blend_stall
+
+        return blend_stall.main(model_dir, tokenizer, args, args.ratios[0] if args.ratios else 0.2)
     if args.scenario != "quality":
         return main_paired(model_dir, tokenizer, args)
     prompts = make_prompts(tokenizer, args)
