@@ -423,6 +423,14 @@ def scoring(args: argparse.Namespace) -> bool:
     return getattr(args, "scenario", "quality") == "quality" and not getattr(args, "no_score", False)
 
 
+def blend_ratios(ratio: float, args: argparse.Namespace) -> list[float]:
+    """``blend_recompute_ratios`` for a server of ``ratio``: one per check layer, the last one
+    ``ratio``, the earlier ones ``--gradual`` (gradual filtering over several check layers)."""
+    layers = list(args.check_layers)
+    earlier = [max(getattr(args, "gradual", None) or ratio, ratio)] * (len(layers) - 1)
+    return [*earlier, ratio]
+
+
 def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
     text = (
         f"chunk_size: {args.chunk_size}\nlocal_cpu: true\nmax_local_cpu_size: {args.cpu_gib}\nlog_summary_interval: 0\n"
@@ -430,8 +438,8 @@ def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
     if ratio is None:
         return text
     return text + (
-        f'enable_blending: true\nblend_special_str: "{rag.SEP_TEXT}"\nblend_recompute_ratios: {ratio}\n'
-        f"blend_check_layers: {args.check_layers}\nblend_min_tokens: {args.blend_min_tokens}\n"
+        f'enable_blending: true\nblend_special_str: "{rag.SEP_TEXT}"\nblend_recompute_ratios: {blend_ratios(ratio, args)}\n'
+        f"blend_check_layers: {list(args.check_layers)}\nblend_min_tokens: {args.blend_min_tokens}\n"
         f"blend_sink_tokens: {getattr(args, 'sink_tokens', 0)}\n"
     )
 
@@ -1019,7 +1027,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="max_local_cpu_size (allocated as used): every blended prompt also stores its blend result "
                          "(~55 MB at 1.2k tokens), and once the tier is full, documents unused for a while are "
                          "evicted first and their prompts are no longer blended")
-    ap.add_argument("--check-layers", type=int, default=1, help="blend_check_layers")
+    ap.add_argument("--check-layers", type=lambda v: [int(x) for x in v.split(",")], default=[1],
+                    help="blend_check_layers, comma-separated (e.g. 1,4: gradual filtering; see --gradual)")
+    ap.add_argument("--gradual", type=float, default=None,
+                    help="with several --check-layers: the ratio kept at every check layer but the last "
+                         "(the last keeps the server's ratio)")
     ap.add_argument("--blend-min-tokens", type=int, default=256)
     ap.add_argument("--sink-tokens", type=int, default=0,
                     help="blend_sink_tokens: the first cached tokens of each reused document recomputed")

@@ -132,3 +132,18 @@ def test_lazy_store_refuses_pd_and_blending(other):
     kw = {"remote_url": "redis://127.0.0.1:1", "pd_secret": "x" * 40} if other == "enable_pd" else {}
     with pytest.raises(ConfigError, match=f"lazy_store=True with {other}=True"):
         LMCacheEngineConfig(lazy_store=True, **{other: True}, **kw).validate()
+
+
+def test_a_failed_store_is_a_miss_and_still_frees_the_blocks(lazy_mini, monkeypatch, caplog):
+    m = lazy_mini
+    a = FakeRequest("a", prompt(3 * CHUNK, seed=10))
+    m.serve(a)
+
+    def broken(*args, **kwargs):
+        raise OSError("tier failed")
+
+    monkeypatch.setattr(m.engine, "store", broken)
+    m.idle_step()
+    assert "a" not in m.held  # reported anyway: vLLM frees the blocks
+    assert cached(m, a.prompt_token_ids) == 0
+    assert "save of a failed" in caplog.text

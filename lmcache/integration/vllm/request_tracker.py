@@ -220,8 +220,10 @@ class RequestPlanner:
         self.config = config
         self._trackers: dict[str, RequestTracker] = {}
         self.warn = failure_logger(logger)
-        self.counters: dict[str, int] = {"planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
-                         "pd_refused": 0, "failed_async_loads": 0, "lazy_stores": 0, "lazy_store_tokens": 0}
+        self.counters: dict[str, int] = {
+            "planned_loads": 0, "planned_saves": 0, "resumed_requests": 0, "window_dropped_saves": 0,
+            "pd_refused": 0, "failed_async_loads": 0, "lazy_stores": 0, "lazy_store_tokens": 0,
+        }  # fmt: skip
         """Plain counters (scheduler thread only), read through ``collect_stats``."""
         self._finished_stores: list[ReqMeta] = []
         """Finished requests' stores (``lazy_store``) for the next connector metadata."""
@@ -528,7 +530,8 @@ class RequestPlanner:
                 num_computed, num_computed + num_scheduled, tracker.prompt_len, cfg.chunk_size, self.saves_tail
             )
         segment_saves = self._segment_saves(tracker, num_computed + num_scheduled)
-        if save is None and cfg.enable_save and cfg.save_decode and not cfg.lazy_store and num_computed >= tracker.prompt_len:
+        decode = cfg.save_decode and not cfg.lazy_store
+        if save is None and cfg.enable_save and decode and num_computed >= tracker.prompt_len:
             save = self._decode_save(tracker, num_computed, num_scheduled)
         result_save = None
         blended_now, tracker.save_blended = blend is not None or tracker.save_blended, False

@@ -364,7 +364,7 @@ class LMCacheConnectorV1Impl:
             try:
                 sending = self.worker.store_finished()
             except Exception as exc:  # noqa: BLE001 - never crash the step
-                sending = {r.req_id for r in self.worker._reqs if r.finished_store}  # vLLM frees their blocks
+                sending = self.worker.finished_store_ids()  # reported anyway: vLLM frees their blocks
                 self.warn("lazy", "lmcache: storing finished requests failed (%s: %s)", type(exc).__name__, exc)
             try:
                 recving = self.worker.finish_async()

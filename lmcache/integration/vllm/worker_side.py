@@ -147,7 +147,9 @@ class LayerwiseSteps:
         if w._storages is None:
             w._storages = []
             streaming = [
-                r for r in w._reqs if r.save is not None and r.load is None and not r.finished_store and r.req_id not in w._failed
+                r
+                for r in w._reqs
+                if r.save is not None and r.load is None and not r.finished_store and r.req_id not in w._failed
             ]
             for i, req in enumerate(streaming):
                 w._start_storage(req, first=i == 0)
@@ -355,18 +357,20 @@ class WorkerConnector:
         self.async_loads.start_blend(req, work)
         self.engine.stats.add(async_loads=1)
 
+    def finished_store_ids(self) -> set[str]:
+        """The finished requests whose store (``lazy_store``) is in this step's metadata."""
+        return {r.req_id for r in self._reqs if r.finished_store}
+
     def store_finished(self) -> set[str]:
         """vLLM's worker thread, once per step (``get_finished``, with or without a forward):
         store the finished requests of this step's metadata (``lazy_store``; vLLM holds their
-        blocks until then) and return their ids, stored or not (a failed store is a future
-        miss; vLLM frees the blocks either way)."""
-        done: set[str] = set()
-        for req in self._reqs:
-            if not req.finished_store:
-                continue
-            if req.save is not None and self._usable():
-                self._store_whole(req)
-            done.add(req.req_id)
+        blocks until then) and return their ids, stored or not (a failed store is logged and
+        is a future miss; vLLM frees the blocks either way)."""
+        done = self.finished_store_ids()
+        if done and self._usable():
+            for req in self._reqs:
+                if req.finished_store and req.save is not None:
+                    self._store_whole(req)  # a failure is logged there and skipped
         return done
 
     def finish_async(self) -> set[str]:
