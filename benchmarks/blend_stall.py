@@ -42,8 +42,12 @@ from harness.openai_server import DYNAMIC, OpenAIServer, metric_value
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--stall-async", choices=("off", "on", "both"), default="both",
-                       help="stall: enable_async_loading off, on, or a server for each (default both)")
+    group.add_argument(
+        "--stall-async",
+        choices=("off", "on", "both"),
+        default="both",
+        help="stall: enable_async_loading off, on, or a server for each (default both)",
+    )
     group.add_argument("--stall-pairs", type=int, default=4, help="stall: baseline / loaded pairs (4)")
     group.add_argument("--stall-streamers", type=int, default=4, help="stall: streaming users (4)")
     group.add_argument("--stall-tokens", type=int, default=160, help="stall: tokens per streamed answer (160)")
@@ -178,8 +182,11 @@ def table(settings: list[Setting]) -> str:
 
 def main(model_dir: Path, tokenizer: Any, args: argparse.Namespace, ratio: float) -> int:
     names = {"off": [False], "on": [True], "both": [False, True]}[args.stall_async]
-    print(f"blend stall: ratio {ratio}, {args.stall_streamers} streamers x {args.stall_tokens} tokens, "
-          f"{args.stall_pairs} pairs, blended prompts of {args.stall_docs} documents", flush=True)
+    print(
+        f"blend stall: ratio {ratio}, {args.stall_streamers} streamers x {args.stall_tokens} tokens, "
+        f"{args.stall_pairs} pairs, blended prompts of {args.stall_docs} documents",
+        flush=True,
+    )
     settings = [run_setting(f"async {'on' if a else 'off'}", a, model_dir, tokenizer, args, ratio) for a in names]
     print("\n" + table(settings))
     return 0
