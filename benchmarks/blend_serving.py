@@ -426,9 +426,8 @@ def scoring(args: argparse.Namespace) -> bool:
 def blend_ratios(ratio: float, args: argparse.Namespace) -> list[float]:
     """``blend_recompute_ratios`` for a server of ``ratio``: one per check layer, the last one
     ``ratio``, the earlier ones ``--gradual`` (gradual filtering over several check layers)."""
-    layers = list(args.check_layers)
-    earlier = [max(getattr(args, "gradual", None) or ratio, ratio)] * (len(layers) - 1)
-    return [*earlier, ratio]
+    earlier = max(args.gradual or ratio, ratio)
+    return [earlier] * (len(args.check_layers) - 1) + [ratio]
 
 
 def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
@@ -440,7 +439,7 @@ def lmcache_yaml(ratio: float | None, args: argparse.Namespace) -> str:
     return text + (
         f'enable_blending: true\nblend_special_str: "{rag.SEP_TEXT}"\nblend_recompute_ratios: {blend_ratios(ratio, args)}\n'
         f"blend_check_layers: {list(args.check_layers)}\nblend_min_tokens: {args.blend_min_tokens}\n"
-        f"blend_sink_tokens: {getattr(args, 'sink_tokens', 0)}\n"
+        f"blend_sink_tokens: {args.sink_tokens}\n"
     )
 
 
