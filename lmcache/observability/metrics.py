@@ -254,6 +254,11 @@ METRICS: tuple[MetricDef, ...] = (
         "async_load_timeouts",
     ),
     _c(
+        "lmcache_async_background_copies",
+        "Asynchronous loads copied into vLLM's blocks by the prefetch thread (no step copied them).",
+        "async_background_copies",
+    ),
+    _c(
         "lmcache_shared_reads",
         "Disk or remote reads joined to a read of the same entry already in flight (not read twice).",
         "shared_reads",

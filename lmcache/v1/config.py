@@ -278,6 +278,7 @@ _PARSERS = {
     "async_load_timeout": _as_float,
     "async_max_loads": _as_int,
     "async_copy_step_tokens": _as_int,
+    "async_copy_in_background": _as_bool,
     "enable_blending": _as_bool,
     "blend_special_str": _as_separator,
     "blend_recompute_ratios": _as_float_list,
@@ -383,7 +384,7 @@ class LMCacheEngineConfig:
     """vLLM adapter (``LMCacheConnectorV1Dynamic``): a hit that is not all in the CPU tier is
     loaded while the request waits and other requests run (docs/async_loading.md): its disk
     or remote chunks are read into the CPU tier in the background, then copied into vLLM's
-    blocks in one step. Off: every hit is loaded in the step that computes the request."""
+    blocks (``async_copy_in_background``). Off: every hit is loaded in the step that computes the request."""
     async_load_timeout: float = 10.0
     """Seconds an asynchronous load may take; what is not in the CPU tier by then is
     recomputed by vLLM (a frozen or lost remote tier never holds a request longer)."""
@@ -392,7 +393,13 @@ class LMCacheEngineConfig:
     async_copy_step_tokens: int = 1024
     """Tokens of prefetched asynchronous loads copied into vLLM's blocks per step (whole
     chunks, at least one): a long hit is copied over several steps, so no step stalls
-    for the whole copy."""
+    for the whole copy. Used where the copy runs in the steps (GPU KV, or
+    ``async_copy_in_background: false``)."""
+    async_copy_in_background: bool = True
+    """CPU KV: the prefetch thread copies a prefetched load into the request's blocks itself
+    (vLLM does not touch them while the request waits), so the request is handed back one
+    step after its prefetch ends and no step copies anything. False, or GPU KV: the copy runs
+    at the end of the steps, ``async_copy_step_tokens`` per step."""
     """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
     at once (counted as ``pd_wait_refused``)."""
     enable_blending: bool = False

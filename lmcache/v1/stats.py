@@ -74,6 +74,9 @@ class CacheStats(Counters):
     """Hits loaded asynchronously (prefetched into the CPU tier while other requests ran)."""
     async_load_timeouts: int = 0
     """Asynchronous loads not prefetched within ``async_load_timeout`` (the rest recomputed)."""
+    async_background_copies: int = 0
+    """Asynchronous loads the prefetch thread copied into vLLM's blocks itself (CPU KV,
+    ``async_copy_in_background``): no step copied them."""
     shared_reads: int = 0
     """Lower-tier reads joined to a read of the same key already in flight (a duplicated
     prompt's prefetch, say): no second disk or remote read."""

@@ -30,16 +30,21 @@ def delta(rounds: list[dict], key: str) -> int:
     return int(rounds[1]["stats"].get(key, 0)) - int(rounds[0]["stats"].get(key, 0))
 
 
-def test_hits_only_in_redis_load_asynchronously_with_identical_outputs(tiny_llama_dir, redis_server):
-    """One chunk copied per step (``async_copy_step_tokens``): long hits take several steps."""
+@pytest.mark.parametrize("background", [True, False], ids=["copied-by-the-prefetch-thread", "copied-in-steps"])
+def test_hits_only_in_redis_load_asynchronously_with_identical_outputs(tiny_llama_dir, redis_server, background):
+    """The prefetch thread copies each load into its blocks (the default on CPU KV), or the
+    steps do, one chunk per step (``async_copy_step_tokens``: long hits take several steps)."""
     prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=5)
     lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
-               "enable_async_loading": True, "async_copy_step_tokens": CHUNK}  # fmt: skip
+               "enable_async_loading": True, "async_copy_step_tokens": CHUNK,
+               "async_copy_in_background": background}  # fmt: skip
     out = run_vllm(VLLMRun(model=str(tiny_llama_dir), rounds=[prompts, prompts], lmcache=lmcache,
                            actions={1: {"type": "evict_cpu"}}, **COMMON))  # fmt: skip
     rounds = out["rounds"]
     assert rounds[1]["outputs"] == rounds[0]["outputs"]  # loaded KV answers as computed KV did
-    assert delta(rounds, "async_loads") >= 1
+    loads = delta(rounds, "async_loads")
+    assert loads >= 1
+    assert delta(rounds, "async_background_copies") == (loads if background else 0)
     assert delta(rounds, "async_load_timeouts") == 0 and delta(rounds, "load_errors") == 0
     assert delta(rounds, "hit_tokens") >= sum(len(p) // CHUNK * CHUNK for p in prompts)  # and whole blocks
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from lmcache.integration.vllm.async_loads import AsyncLoads
+from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
 
@@ -100,6 +100,87 @@ def test_a_load_is_ready_when_prefetched_or_at_its_deadline_and_releases_its_ref
         assert [o.refs for o in engine.objs] == [0, 0]
         ready.release()  # idempotent
         assert [o.refs for o in engine.objs] == [0, 0]
+    finally:
+        loads.close()
+
+
+def test_the_prefetch_thread_copies_a_load_once_it_has_read_it_unless_the_deadline_took_it():
+    """With a copier (CPU KV) the prefetch thread copies right after its reads, and the
+    worker only records the result; a load the deadline claimed first is never copied by the
+    late prefetch (one side copies), and a copier that raises is a failed load, reported."""
+    copies: list[str] = []
+
+    def copier(req: ReqMeta) -> CopyResult:
+        copies.append(req.req_id)
+        return CopyResult(req.load)
+
+    engine = _Engine()
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req(), copier)
+        (pending,) = loads._pending.values()
+        engine.gate.set()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        assert copies == ["r"] and ready.copy == CopyResult(ready.req.load) and not ready.timed_out
+        ready.release()
+    finally:
+        loads.close()
+
+    engine, copies = _Engine(), []
+    loads = AsyncLoads(engine, timeout=0.5)
+    try:
+        loads.start(_req(), copier)
+        (pending,) = loads._pending.values()
+        (ready,) = loads.ready(now=pending.deadline)  # the worker claims it: copied in its step
+        assert ready.timed_out
+        engine.gate.set()
+        pending.future.result(5)
+        assert copies == [] and ready.copy is None
+        ready.release()
+    finally:
+        loads.close()
+
+    def broken(req: ReqMeta) -> CopyResult:
+        raise OSError("copy failed")
+
+    engine = _Engine()
+    engine.gate.set()
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req(), broken)
+        (pending,) = loads._pending.values()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        assert isinstance(ready.copy.error, OSError) and ready.copy.load == ready.req.load
+        ready.release()
+        assert [o.refs for o in engine.objs] == [0, 0]
+    finally:
+        loads.close()
+
+
+def test_a_background_copy_under_way_at_the_deadline_is_waited_for():
+    """The deadline does not take a load whose copy the prefetch thread has started."""
+    started, finish = threading.Event(), threading.Event()
+
+    def copier(req: ReqMeta) -> CopyResult:
+        started.set()
+        finish.wait(10)
+        return CopyResult(req.load)
+
+    engine = _Engine()
+    engine.gate.set()
+    loads = AsyncLoads(engine, timeout=0.5)
+    try:
+        loads.start(_req(), copier)
+        (pending,) = loads._pending.values()
+        assert started.wait(5)
+        assert loads.ready(now=pending.deadline + 1) == []  # copying: not taken by the deadline
+        finish.set()
+        pending.future.result(5)
+        (ready,) = loads.ready(now=pending.deadline + 1)
+        assert not ready.timed_out and ready.copy is not None
+        ready.release()
     finally:
         loads.close()
 

@@ -1,6 +1,6 @@
 """Asynchronous loads on the worker (``enable_async_loading``): a request's hit is read into
 the CPU tier in the background while vLLM runs other requests, then copied into the
-request's blocks in one step.
+request's blocks (by the prefetch thread itself with CPU KV, else at the ends of steps).
 
 The scheduler side offers a hit asynchronously only when some of its chunks are outside the
 CPU tier (disk, remote) and the Dynamic connector is in use (vLLM's built-in route always
@@ -14,14 +14,18 @@ hybrid model's recurrent-state entry at the load's end, last) with the
 storage manager's ``batched_get`` (the CPU tier's hits inline, the lower tiers' chunks on
 their reader threads, promoted into the CPU tier) and holds one reference to each object
 until :meth:`PendingLoad.release` (worker thread, after the copy), so the CPU pool's memory
-for in-flight prefetches is bounded by the pool itself. The copy into vLLM's blocks is the
-worker's (``WorkerConnector``): it reads only what the CPU tier holds then, so a remote tier
-that froze mid-prefetch never blocks a step; what is missing is reported as failed blocks
-(vLLM recomputes them).
+for in-flight prefetches is bounded by the pool itself. The copy into vLLM's blocks reads
+only what the CPU tier holds then, so a remote tier that froze mid-prefetch never blocks
+it; what is missing is reported as failed blocks (vLLM recomputes them). With a *copier*
+(:meth:`AsyncLoads.start`; CPU KV, ``async_copy_in_background``) the prefetch thread runs
+the copy right after its reads and keeps the :class:`CopyResult` for the worker thread,
+which only records it; without one the worker (``WorkerConnector``) copies at step ends.
 
 Deadline: a load whose prefetch is not done ``async_load_timeout`` seconds after it started
 is copied as far as the CPU tier holds it (``timed_out``); the prefetch thread's late
-results only warm the CPU tier.
+results only warm the CPU tier. Exactly one side copies: whichever claims the load first
+(:meth:`PendingLoad.claim`); a background copy under way at the deadline is waited for (it
+is a memory copy of chunks the prefetch holds, never I/O).
 
 Blends (:meth:`AsyncLoads.start_blend`) run whole on one blend thread (one at a time), in
 ``torch.inference_mode``, writing into the request's blocks (no other request uses them
@@ -34,8 +38,10 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import torch
 
 from lmcache.integration.vllm.connector_metadata import ReqMeta
 from lmcache.log_once import LogOnce
@@ -43,10 +49,24 @@ from lmcache.v1.state_entries import state_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLoads", "PendingLoad"]
+__all__ = ["AsyncLoads", "CopyResult", "PendingLoad"]
 
 PREFETCH_THREADS = 2
 """Prefetches run at once (each waits on the tiers' own reader threads)."""
+
+
+@dataclass(slots=True)
+class CopyResult:
+    """What a background copy wrote into a request's blocks (the prefetch thread's report to
+    the worker thread)."""
+
+    load: Any
+    """The ``LoadSpec`` copied (``load_len`` cut to what the CPU tier held); None: nothing of
+    the hit was in the CPU tier after the prefetch."""
+    written: torch.Tensor | None = None
+    """``CacheEngine.retrieve``'s mask of the tokens written."""
+    error: Exception | None = None
+    """The copy raised: none of the hit can be trusted."""
 
 
 @dataclass(slots=True)
@@ -64,6 +84,19 @@ class PendingLoad:
     released: bool = False
     copied: int = 0
     """Tokens copied into the request's blocks so far (the copy runs over several steps)."""
+    copy: CopyResult | None = None
+    """Set by the prefetch thread when it copied the load itself (before its future resolves)."""
+    _claimed: bool = False
+    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self) -> bool:
+        """Take the copy into the blocks: True for the first caller only (the prefetch
+        thread when its reads end, or the worker thread at the deadline)."""
+        with self._claim_lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
 
     def release(self) -> None:
         """Drop the prefetch's references (worker thread, once the copy is done). A prefetch
@@ -114,8 +147,10 @@ class AsyncLoads:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def start(self, req: ReqMeta) -> None:
-        """Begin prefetching ``req``'s load (its chunks into the CPU tier)."""
+    def start(self, req: ReqMeta, copier: Callable[[ReqMeta], CopyResult] | None = None) -> None:
+        """Begin prefetching ``req``'s load (its chunks into the CPU tier). ``copier``: run on
+        the prefetch thread after the reads, unless the deadline claimed the load first (it
+        writes into ``req``'s blocks; an exception it raises becomes a failed load)."""
         assert req.load is not None
         now = time.monotonic()
         pending = PendingLoad(req, now, now + self.timeout)
@@ -125,7 +160,7 @@ class AsyncLoads:
         self._pending[req.req_id] = pending
         try:
             keys = self._keys(req)
-            pending.future = self._pool.submit(self._prefetch, keys)
+            pending.future = self._pool.submit(self._prefetch, keys, pending, copier)
         except Exception as exc:  # noqa: BLE001 - no prefetch: the copy takes what the CPU tier has
             self._log_once(logging.WARNING, "prefetch", "lmcache: prefetch of %s not started (%s: %s); loading "
                            "what the CPU tier holds", req.req_id, type(exc).__name__, exc)  # fmt: skip
@@ -148,11 +183,20 @@ class AsyncLoads:
             keys.append(state_key(pk.keys[state.boundary // pk.chunk_size - 1]))
         return keys
 
-    def _prefetch(self, keys: list[Any]) -> list[Any]:
-        """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held)."""
+    def _prefetch(
+        self, keys: list[Any], pending: PendingLoad, copier: Callable[[ReqMeta], CopyResult] | None
+    ) -> list[Any]:
+        """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held),
+        then, with a ``copier`` and the load not yet claimed, the copy into the blocks."""
         if self._closed.is_set():
             return []
-        return [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
+        objs = [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
+        if copier is not None and not self._closed.is_set() and pending.claim():
+            try:
+                pending.copy = copier(pending.req)
+            except Exception as exc:  # noqa: BLE001 - reported to the worker thread: a recompute
+                pending.copy = CopyResult(pending.req.load, error=exc)
+        return objs
 
     def ready(self, now: float | None = None) -> list[PendingLoad]:
         """Loads to copy now (prefetch done, or past the deadline), removed from the pending set."""
@@ -160,7 +204,8 @@ class AsyncLoads:
         out = []
         for req_id, p in list(self._pending.items()):
             done = p.future is None or p.future.done()
-            if done or (now >= p.deadline and not p.blend):
+            # past the deadline, unless a background copy is under way (a bounded memory copy)
+            if done or (now >= p.deadline and not p.blend and p.claim()):
                 p.timed_out = not done
                 out.append(p)
                 del self._pending[req_id]

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from lmcache.integration.vllm.blend_worker import BlendOutcome, BlendRunner
-from lmcache.integration.vllm.async_loads import AsyncLoads, PendingLoad
+from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult, PendingLoad
 from lmcache.integration.vllm.connector_metadata import LMCacheConnectorMetadata, LoadSpec, ReqMeta, SaveSpec, StateRef
 from lmcache.integration.vllm.failure_log import failure_logger
 from lmcache.integration.vllm.kv_groups import KVGroups
@@ -337,8 +337,51 @@ class WorkerConnector:
             self._load_bulk(req)
             self._async_done.add(req.req_id)
             return
-        self.async_loads.start(req)
+        self.async_loads.start(req, self._copy_in_background if self._background_copies() else None)
         self.engine.stats.add(async_loads=1)
+
+    def _background_copies(self) -> bool:
+        """Whether the prefetch thread copies a load into its blocks itself: CPU KV (no stream
+        to order the copy against the forward pass) and ``async_copy_in_background``."""
+        caches = self.kvcaches
+        return (
+            bool(getattr(self.engine.config, "async_copy_in_background", False))
+            and caches is not None
+            and len(caches) > 0
+            and caches[0].device.type == "cpu"
+        )
+
+    def _copy_in_background(self, req: ReqMeta) -> CopyResult:
+        """Prefetch thread, after its reads: copy what the CPU tier holds of ``req``'s load into
+        its blocks (vLLM does not touch them while the request waits for its KV). Only the
+        chunks the prefetch holds are read, so this never waits on a lower tier. The worker
+        thread records the result (:meth:`_record_copy`)."""
+        spec = req.load
+        assert spec is not None
+        held = self._resident_end(req)
+        if held <= spec.num_local:
+            return CopyResult(None)
+        if held < spec.load_len - spec.load_len % self.chunk_size:  # a chunk the prefetch did not get: cut there
+            req = replace(req, load=LoadSpec(spec.num_local, spec.num_external, held))
+        # else the whole load (its last partial part may be a block-granular tail of another entry)
+        tokens, mask, kwargs = self._load_args(req)
+        return CopyResult(req.load, self.engine.retrieve(tokens, mask, **kwargs))
+
+    def _record_copy(self, req: ReqMeta, result: CopyResult) -> None:
+        """Worker thread: account for a load the prefetch thread copied (failed blocks, state)."""
+        assert req.load is not None
+        if result.load is None:
+            self._fail(req, req.load.num_local, "async-miss", "lmcache: nothing of %s's hit in the CPU tier after its "
+                       "prefetch; recomputing", req.req_id)  # fmt: skip
+            return
+        if result.error is not None:
+            self.engine.stats.add(load_errors=1)
+            self._fail_load(req, result.error)
+            return
+        assert result.written is not None
+        self.engine.stats.add(async_background_copies=1)
+        self._describe(req, result.load.load_len)
+        self._loaded(replace(req, load=result.load), result.written)
 
     def _start_async_blend(self, req: ReqMeta) -> None:
         """Blend ``req`` on the blend thread while vLLM runs the other requests."""
@@ -421,6 +464,9 @@ class WorkerConnector:
         if not self._usable():
             self._fail(req, spec.num_local, "disabled", "lmcache: cache unusable on this worker; recomputing %s",
                        req.req_id)  # fmt: skip
+            return budget, True
+        if pending.copy is not None:  # the prefetch thread copied it
+            self._record_copy(req, pending.copy)
             return budget, True
         if pending.copied == 0 and pending.timed_out:  # only what the CPU tier holds: a frozen tier must not block
             self.engine.stats.add(async_load_timeouts=1)
@@ -553,7 +599,13 @@ class WorkerConnector:
             self.engine.stats.add(load_errors=1)
             self._fail_load(req, exc)
             return
-        self._check_loaded(req, ret, count=True)
+        self._loaded(req, ret)
+
+    def _loaded(self, req: ReqMeta, written: torch.Tensor) -> None:
+        """After ``req``'s KV was retrieved into its blocks (``written``: the tokens written):
+        fail what is missing, then load the recurrent state at the load's end, if any."""
+        assert req.load is not None
+        self._check_loaded(req, written, count=True)
         state = req.state_load
         if state is not None and req.load.end == state.boundary and req.req_id not in self._failed:
             self._load_state(req, state)
