@@ -93,6 +93,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--load-after", type=int, default=10,
                        help="stall: send the loader once every streamer has produced this many chunks (10)")
     group.add_argument("--loader-tokens", type=int, default=4096, help="stall: the loader prompt's tokens (4096)")
+    group.add_argument("--warm-pairs", type=int, default=3,
+                       help="stall: loaded runs with the loader already in the CPU tier (3): the reference for what "
+                            "the loader's own step costs the streamers with nothing to read")
     group.add_argument("--cold-reps", type=int, default=2, help="stall: loader alone, cold from Redis (2)")
     group.add_argument("--warm-reps", type=int, default=3, help="stall: loader alone, warm in the CPU tier (3)")
     group.add_argument("--fresh-reps", type=int, default=1,
@@ -182,6 +185,7 @@ class SettingResult:
     store: LoaderSend
     limits: Limits
     pairs: list[PairResult] = field(default_factory=list)
+    warm_pairs: list[PairResult] = field(default_factory=list)  # the loader warm in the CPU tier
     cold: list[LoaderSend] = field(default_factory=list)
     warm: list[LoaderSend] = field(default_factory=list)
     fresh: list[LoaderSend] = field(default_factory=list)
@@ -489,14 +493,16 @@ def baseline_run(client: Any, model: str, args: argparse.Namespace) -> list[floa
 
 def loaded_run(server: OpenAIServer, client: Any, args: argparse.Namespace, ids: list[int],
                admin: Admin) -> tuple[list[StreamTrace], LoaderSend, int]:  # fmt: skip
-    """The streamers, and the loader sent once each produced ``--load-after`` chunks (cold: CPU tier emptied)."""
+    """The streamers, and the loader sent once each produced ``--load-after`` chunks (its kind: "loaded"
+    when the CPU tier did not hold it, else "warm")."""
     tiers = admin.tiers(ids)
+    kind = "warm" if tiers.get("cpu", 0) >= len(ids) - 1 else "loaded"
     before = counters(server)
     progress = Progress(args.load_after, args.streamers)
     with ThreadPoolExecutor(args.streamers) as pool:
         futures = run_streamers(client, server.model, args, progress, pool)
         reached = progress.wait(timeout=600)
-        loader = send_prompt(client, server.model, ids, "loaded")
+        loader = send_prompt(client, server.model, ids, kind)
         traces = [f.result() for f in futures]
     loader.cpu_before, loader.remote_before = tiers.get("cpu", 0), tiers.get("remote", 0)
     record_counters(loader, counters_after(server, before, loader.cached_tokens))
@@ -558,21 +564,31 @@ def prepare(name: str, async_loading: bool, server: OpenAIServer, client: Any, r
     return SettingResult(name, async_loading, start_s, store, limits)
 
 
+def measured_pair(server: OpenAIServer, client: Any, admin: Admin, ids: list[int], args: argparse.Namespace, *,
+                  cold: bool) -> PairResult:  # fmt: skip
+    """A baseline run and a loaded run; ``cold``: the CPU tier emptied first (the loader comes from Redis)."""
+    if cold:
+        admin.clear_local()
+    time.sleep(args.settle)  # let the machine settle between measured runs
+    base = baseline_run(client, server.model, args)
+    time.sleep(args.settle)
+    traces, loader, reached = loaded_run(server, client, args, ids, admin)
+    window = [g for t in traces for g in t.gaps_within(loader.sent, loader.first)]
+    time.sleep(args.settle)
+    return PairResult(base, steady_gaps(traces), window, loader, reached)
+
+
 def measure(result: SettingResult, server: OpenAIServer, client: Any, admin: Admin, prompts: list[list[int]],
             args: argparse.Namespace) -> None:  # fmt: skip
     ids = prompts[0]
     for p in range(args.pairs):
-        admin.clear_local()
-        time.sleep(args.settle)  # let the machine settle between measured runs
-        base = baseline_run(client, server.model, args)
-        time.sleep(args.settle)
-        traces, loader, reached = loaded_run(server, client, args, ids, admin)
-        loaded = steady_gaps(traces)
-        window = [g for t in traces for g in t.gaps_within(loader.sent, loader.first)]
-        pair = PairResult(base, loaded, window, loader, reached)
+        pair = measured_pair(server, client, admin, ids, args, cold=True)
         result.pairs.append(pair)
         print(f"    pair {p + 1}: {pair_line(pair, args.streamers)}", flush=True)
-        time.sleep(args.settle)
+    for p in range(args.warm_pairs):  # the last loaded send left the loader in the CPU tier
+        pair = measured_pair(server, client, admin, ids, args, cold=False)
+        result.warm_pairs.append(pair)
+        print(f"    warm pair {p + 1}: {pair_line(pair, args.streamers)}", flush=True)
     for _ in range(args.cold_reps):
         admin.clear_local()
         time.sleep(args.settle)
@@ -606,7 +622,10 @@ def cold_ok(s: LoaderSend) -> bool:
 
 
 def pair_line(p: PairResult, streamers: int) -> str:
-    verdict = "cold from Redis" if cold_ok(p.loader) else "NOT cold"
+    if p.loader.kind == "loaded":
+        verdict = "cold from Redis" if cold_ok(p.loader) else "NOT cold"
+    else:
+        verdict = "warm in the CPU tier" if p.loader.came_from("cpu") else "NOT warm"
     if p.loaded_before_load < streamers:
         verdict += f"; only {p.loaded_before_load} streamers had their chunks when it was sent"
     burst = sum(g < 1e-3 for g in p.loaded)
@@ -640,12 +659,17 @@ class Summary:
     cold_loads: str
     async_loads: str  # loader sends lmcache loaded asynchronously / cold loader sends
     limit_s: float
+    warm_window_p99_ms: float  # the same window with the loader warm in the CPU tier (the reference)
+    warm_stall_p50_ms: float
+    warm_loader_ttft_p50_s: float
+    window_p99_vs_warm: float  # cold window p99 / warm window p99: what reading Redis adds
 
 
 def summarize(r: SettingResult) -> Summary:
     base = [g for p in r.pairs for g in p.baseline]
     loaded = [g for p in r.pairs for g in p.loaded]
     window = [g for p in r.pairs for g in p.window]
+    warm_window = [g for p in r.warm_pairs for g in p.window]
     ratios = [pct_ms(p.loaded, 99) / pct_ms(p.baseline, 99) for p in r.pairs]
     cold = [p.loader for p in r.pairs]
     fresh = [s.ttft for s in r.fresh] + [r.store.ttft]
@@ -672,6 +696,10 @@ def summarize(r: SettingResult) -> Summary:
         cold_loads=f"{sum(cold_ok(s) for s in cold + r.cold)}/{len(cold) + len(r.cold)}",
         async_loads=f"{sum(s.async_loads > 0 for s in cold + r.cold)}/{len(cold) + len(r.cold)}",
         limit_s=r.limits.floor_s,
+        warm_window_p99_ms=pct_ms(warm_window, 99),
+        warm_stall_p50_ms=med([max(p.window, default=0.0) * 1e3 for p in r.warm_pairs]),
+        warm_loader_ttft_p50_s=med([p.loader.ttft for p in r.warm_pairs]),
+        window_p99_vs_warm=pct_ms(window, 99) / pct_ms(warm_window, 99) if warm_window else float("nan"),
     )
 
 
@@ -684,6 +712,11 @@ def report_setting(r: SettingResult, s: Summary) -> None:
     print(f"  during the load window (send to first token): p50 {s.window_p50_ms:.1f} p99 {s.window_p99_ms:.1f} max "
           f"{s.window_max_ms:.0f} ms = {s.window_p99_ratio:.2f}x the baseline p99; longest gap per load p50 "
           f"{s.stall_p50_ms:.0f} ms")
+    if r.warm_pairs:
+        print(f"  reference, the loader warm in the CPU tier ({len(r.warm_pairs)} pairs): window p99 "
+              f"{s.warm_window_p99_ms:.1f} ms, longest gap per load p50 {s.warm_stall_p50_ms:.0f} ms, loader TTFT p50 "
+              f"{s.warm_loader_ttft_p50_s:.3f} s; cold window p99 / warm window p99 {s.window_p99_vs_warm:.2f}x "
+              f"(what reading Redis adds to the loader's own step)")
     print(f"  loader TTFT p50: under load {s.loader_ttft_p50_s:.3f} s, alone cold from Redis "
           f"{s.cold_alone_ttft_p50_s:.3f} s, warm (CPU tier) {s.warm_ttft_p50_s:.3f} s, no cache "
           f"{s.fresh_ttft_p50_s:.2f} s; lmcache retrieve p50 under load {s.retrieve_loaded_ms_p50:.0f} ms, alone "
@@ -703,13 +736,15 @@ def report_setting(r: SettingResult, s: Summary) -> None:
 
 def markdown_table(rows: list[Summary]) -> str:
     head = ("| setting | ITL p50 base / loaded (ms) | ITL p99 base / loaded (ms) | p99 loaded / base | "
-            "load window p99 / longest gap per load p50 (ms) | loader TTFT under load (s) | alone cold / warm / no cache (s) | "
+            "load window p99 / longest gap per load p50 (ms) | same, loader warm in the CPU tier (ms) | "
+            "loader TTFT under load (s) | alone cold / warm / no cache (s) | "
             "limit: Redis GET + memcpy (ms) |")  # fmt: skip
-    lines = [head, "|" + "---|" * 8]
+    lines = [head, "|" + "---|" * 9]
     for s in rows:
         lines.append(
             f"| {s.name} | {s.itl_p50_base_ms:.1f} / {s.itl_p50_loaded_ms:.1f} | {s.itl_p99_base_ms:.1f} / "
             f"{s.itl_p99_loaded_ms:.1f} | {s.p99_ratio:.2f}x | {s.window_p99_ms:.0f} / {s.stall_p50_ms:.0f} | "
+            f"{s.warm_window_p99_ms:.0f} / {s.warm_stall_p50_ms:.0f} | "
             f"{s.loader_ttft_p50_s:.3f} | {s.cold_alone_ttft_p50_s:.3f} / {s.warm_ttft_p50_s:.3f} / "
             f"{s.fresh_ttft_p50_s:.1f} | {s.limit_s * 1e3:.0f} |"
         )
@@ -726,7 +761,8 @@ def verdict(s: Summary) -> str:
     return (f"target ({s.name}): streamers' ITL p99 loaded / baseline <= {TARGET_P99_RATIO}: all loaded gaps "
             f"{s.p99_ratio:.2f}x {met(s.p99_ratio)}; gaps in the load window {s.window_p99_ratio:.2f}x "
             f"{met(s.window_p99_ratio)} (longest gap per load p50 {s.stall_p50_ms:.0f} ms, ITL p50 "
-            f"{s.itl_p50_base_ms:.0f} ms)")  # fmt: skip
+            f"{s.itl_p50_base_ms:.0f} ms); the same window with the loader warm in the CPU tier (its own step, "
+            f"nothing read) {s.warm_window_p99_ms / s.itl_p99_base_ms:.2f}x, cold / warm {s.window_p99_vs_warm:.2f}x")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ main

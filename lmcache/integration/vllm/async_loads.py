@@ -143,6 +143,8 @@ class AsyncLoads:
         """Blends run one at a time (each holds two copies of its prompt's KV)."""
         self._log_once = LogOnce(logger)
         self._closed = threading.Event()
+        self._settled = threading.Event()
+        """Set when a prefetch or a blend ends (:meth:`wait_settled`)."""
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -161,6 +163,7 @@ class AsyncLoads:
         try:
             keys = self._keys(req)
             pending.future = self._pool.submit(self._prefetch, keys, pending, copier)
+            pending.future.add_done_callback(self._wake)
         except Exception as exc:  # noqa: BLE001 - no prefetch: the copy takes what the CPU tier has
             self._log_once(logging.WARNING, "prefetch", "lmcache: prefetch of %s not started (%s: %s); loading "
                            "what the CPU tier holds", req.req_id, type(exc).__name__, exc)  # fmt: skip
@@ -170,7 +173,20 @@ class AsyncLoads:
         now = time.monotonic()
         pending = PendingLoad(req, now, now, blend=True)
         pending.future = self._blends.submit(work)
+        pending.future.add_done_callback(self._wake)
         self._pending[req.req_id] = pending
+
+    def _wake(self, _fut: Future[Any]) -> None:
+        self._settled.set()
+
+    def wait_settled(self, timeout: float) -> None:
+        """Worker thread, in a step that scheduled nothing: block until a pending load's
+        prefetch (or blend) ends, or ``timeout`` seconds (at once if one has ended or none is
+        pending). A deadline is overrun by at most ``timeout``."""
+        self._settled.clear()
+        if not self._pending or any(p.future is None or p.future.done() for p in self._pending.values()):
+            return
+        self._settled.wait(timeout)
 
     def _keys(self, req: ReqMeta) -> list[Any]:
         spec = req.load

@@ -169,6 +169,10 @@ class LMCacheConnectorMetadata(_VLLMMetadata):
     """All requests with a load or a save in this step."""
 
     requests: list[ReqMeta] = field(default_factory=list)
+    idle: bool = False
+    """vLLM's scheduler scheduled no tokens this step (a step run only for connectors, such as
+    requests waiting for their asynchronous loads): the worker may wait a little for a load
+    to settle instead of returning at once into vLLM's next empty step."""
 
     def __len__(self) -> int:
         return len(self.requests)

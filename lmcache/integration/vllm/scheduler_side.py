@@ -552,7 +552,7 @@ class SchedulerConnector:
         if self._async:  # a request scheduled again has its KV: its asynchronous load is over
             self._async.difference_update(r.req_id for r in scheduler_output.scheduled_new_reqs)
         try:
-            return LMCacheConnectorMetadata(self.planner.build(scheduler_output))
+            return LMCacheConnectorMetadata(self.planner.build(scheduler_output), idle=self._step_idle)
         except Exception as exc:  # noqa: BLE001
             self.warn(
                 "meta",

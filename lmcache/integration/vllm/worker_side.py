@@ -107,6 +107,11 @@ def chunk_mask(n: int, skip: int, chunk_size: int) -> torch.Tensor | None:
     return mask
 
 
+ASYNC_IDLE_WAIT_SECONDS = 0.01
+"""In a step that scheduled nothing, how long the worker waits for an asynchronous load to
+settle before returning to vLLM (which would otherwise run its next empty step at once)."""
+
+
 @dataclass(slots=True)
 class _Retrieval:
     req: ReqMeta
@@ -200,6 +205,8 @@ class WorkerConnector:
         self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if on else None
         """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
         self._copying: list[PendingLoad] = []
+        self._idle = False
+        """This step's metadata says vLLM scheduled no tokens (``LMCacheConnectorMetadata.idle``)."""
         """Asynchronous loads being copied into their blocks, a budget of tokens per step."""
         self._blend_lock = threading.Lock()
         """One blend at a time (the blend thread's and, past ``async_max_loads``, the step's)."""
@@ -290,6 +297,7 @@ class WorkerConnector:
         """New step: take its metadata and reset the per-step state."""
         self._close_generators()
         self._reqs = list(metadata.requests) if isinstance(metadata, LMCacheConnectorMetadata) else []
+        self._idle = isinstance(metadata, LMCacheConnectorMetadata) and metadata.idle
         if not self.saves:
             self._reqs = [replace(r, save=None, segment_saves=(), result_save=None) for r in self._reqs]
         self._failed = set()
@@ -424,6 +432,10 @@ class WorkerConnector:
         done, self._async_done = self._async_done, set()
         if self.async_loads is None:
             return done
+        if self._idle and not done and not self._copying:
+            # a step that ran nothing: vLLM would step again at once, and its empty steps in a
+            # tight loop take the interpreter from the prefetch threads; wait for them a little
+            self.async_loads.wait_settled(ASYNC_IDLE_WAIT_SECONDS)
         if len(self.async_loads):
             self._copying.extend(self.async_loads.ready())
         budget = self.engine.config.async_copy_step_tokens
