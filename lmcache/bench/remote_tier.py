@@ -12,6 +12,11 @@ redis-server, interleaved and repeated (median reported):
 * ``redis-benchmark`` SET/GET of the same size, 1 client, no pipelining: the
   server's own limit on this machine (C client).
 
+Then the tier's ``get`` of the largest size once more, with the native socket reader
+(``lmcache._sockread``: the GIL released for a whole value) and with the Python
+``recv_into`` loop, alone and beside a thread that keeps the GIL busy (as vLLM's step
+loop does beside a prefetch), over the raw redis-py GET alone.
+
 Usage: lmcache bench remote -- [--sizes-mib 1,4] [--total-mib 256] [--reps 3] [--url redis://...]
 Without --url a private redis-server is started on a free loopback port and stopped after.
 """
@@ -19,12 +24,15 @@ Without --url a private redis-server is started on a free loopback port and stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import statistics
 import subprocess
+import threading
 import time
+from typing import Iterator
 
 import torch
 
@@ -85,6 +93,67 @@ def tier_put_get(backend: RemoteBackend, local: LocalCPUBackend, size: int, n: i
         got.ref_count_down()
     t_get = time.perf_counter() - t0
     return n * size / t_put / GB, n * size / t_get / GB
+
+
+@contextlib.contextmanager
+def busy_python_thread() -> Iterator[None]:
+    """A thread that holds the GIL between its switch intervals (pure Python work)."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for _ in range(1000):
+                x += 1
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def reader_comparison(url: str, size: int, n: int, reps: int, pool_bytes: int, raw_get: float) -> None:
+    """The tier's get with the native socket reader and with the Python loop, alone and
+    beside a GIL-busy thread (GB/s, median of ``reps``), over raw redis-py's GET alone."""
+    from lmcache.v1.storage_backend.connector import resp
+
+    native = resp._sockread
+    backend, local = make_backend(url, 1, pool_bytes)
+    try:
+        tier_put_get(backend, local, size, n, 7)  # writes the keys; the timed gets read them
+        rows = []
+        for label, reader in (("native reader", native), ("Python loop", None)):
+            if label == "native reader" and native is None:
+                rows.append((label, float("nan"), float("nan")))
+                continue
+            resp._sockread = reader
+            alone = statistics.median(_tier_get(backend, size, n, 7) for _ in range(reps))
+            with busy_python_thread():
+                busy = statistics.median(_tier_get(backend, size, n, 7) for _ in range(reps))
+            rows.append((label, alone, busy))
+    finally:
+        resp._sockread = native
+        backend.close()
+        local.close()
+    print(f"\ntier get of {size // MiB} MiB values, one by one (GB/s; / raw redis-py GET alone {raw_get:.2f} GB/s):")
+    for label, alone, busy in rows:
+        print(f"  {label:<14} alone {alone:5.2f} ({alone / raw_get:4.2f} x) | beside a GIL-busy thread "
+              f"{busy:5.2f} ({busy / raw_get:4.2f} x)")
+    if native is None:
+        print("  (lmcache._sockread is not built: pip install -e . builds it with a C compiler)")
+
+
+def _tier_get(backend: RemoteBackend, size: int, n: int, tag: int) -> float:
+    keys = [CacheEngineKey("bench", 1, 0, (tag << 32) + i, "float32") for i in range(n)]
+    t0 = time.perf_counter()
+    for k in keys:
+        got = backend.get_blocking(k)
+        assert got is not None, "tier miss in the benchmark"
+        got.ref_count_down()
+    return n * size / (time.perf_counter() - t0) / GB
 
 
 def redis_benchmark(host: str, port: int, size: int, n: int) -> tuple[float, float] | None:
@@ -176,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"{tier / r:>8.2f} | {ref:>10.2f} GB/s | {tier / ref:>16.2f}")
         print("tier/raw: best tier put (async writers, flush included) and one-by-one tier get over raw redis-py "
               "one-by-one; target >= 0.8. redis-benchmark: C client, 1 connection, no pipelining.")
+        size = max(int(s) for s in args.sizes_mib.split(",")) * MiB
+        reader_comparison(url, size, max(8, args.total_mib * MiB // size), args.reps, pool_bytes, r_get)
     finally:
         if server is not None:
             server.cleanup()

@@ -26,6 +26,11 @@ from typing import Callable, Sequence
 
 from lmcache.v1.storage_backend.connector.errors import RemoteError, RemoteUnavailable
 
+try:  # the value's bytes read in one call with the GIL released (csrc/sockread.c)
+    from lmcache import _sockread
+except ImportError:  # not built: the recv_into loop below
+    _sockread = None
+
 Buffer = bytes | bytearray | memoryview
 ReadPlan = Callable[[memoryview, int], tuple[int, memoryview]]
 """``plan(head, value_len) -> (offset, dest)``: ``head`` holds the value's first bytes
@@ -139,8 +144,7 @@ def get_into(conn, key: bytes, plan: ReadPlan, head_len: int, deadline: float, s
         # 3. the rest of the value, straight into dest
         got = have - offset
         dest[:got] = mv[start + offset : start + have]
-        while got < dest.nbytes:
-            got += _recv_into(sock, dest[got:], deadline)
+        _recv_exact(sock, dest[got:], deadline)
         # 4. the trailing CRLF
         tail = n - (start + have)
         while tail < 2:
@@ -187,6 +191,25 @@ def _recv_into(sock: socket.socket, buf: memoryview, deadline: float) -> int:
     if k == 0:
         raise EOFError("server closed the connection")
     return k
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview, deadline: float) -> None:
+    """Fill ``buf`` from ``sock`` by ``deadline``: one call into ``lmcache._sockread`` when it
+    is built (the GIL released for the whole value, so a thread holding it, such as vLLM's
+    step loop beside a prefetch, cannot slow the read down), else a ``recv_into`` loop."""
+    if not buf.nbytes:
+        return
+    # a plain socket only: a TLS socket's descriptor carries ciphertext
+    if _sockread is not None and type(sock) is socket.socket and not buf.readonly and buf.contiguous:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("remote call deadline passed")
+        if _sockread.recv_exact(sock.fileno(), buf, left) < buf.nbytes:
+            raise EOFError("server closed the connection")
+        return
+    got = 0
+    while got < buf.nbytes:
+        got += _recv_into(sock, buf[got:], deadline)
 
 
 def _read_line(conn, sock: socket.socket, buf: bytearray, deadline: float) -> bytes:
