@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from lmcache.integration.vllm.connector_metadata import ReqMeta
+from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.log_once import LogOnce
 from lmcache.v1.state_entries import state_key
 
@@ -60,8 +60,8 @@ class CopyResult:
     """What a background copy wrote into a request's blocks (the prefetch thread's report to
     the worker thread)."""
 
-    load: Any
-    """The ``LoadSpec`` copied (``load_len`` cut to what the CPU tier held); None: nothing of
+    load: LoadSpec | None
+    """The load copied (``load_len`` cut to what the CPU tier held); None: nothing of
     the hit was in the CPU tier after the prefetch."""
     written: torch.Tensor | None = None
     """``CacheEngine.retrieve``'s mask of the tokens written."""

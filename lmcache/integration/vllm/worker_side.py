@@ -205,9 +205,9 @@ class WorkerConnector:
         self.async_loads = AsyncLoads(engine, cfg.async_load_timeout) if on else None
         """Asynchronous loads in flight (``enable_async_loading``; :mod:`.async_loads`)."""
         self._copying: list[PendingLoad] = []
+        """Asynchronous loads being copied into their blocks, a budget of tokens per step."""
         self._idle = False
         """This step's metadata says vLLM scheduled no tokens (``LMCacheConnectorMetadata.idle``)."""
-        """Asynchronous loads being copied into their blocks, a budget of tokens per step."""
         self._blend_lock = threading.Lock()
         """One blend at a time (the blend thread's and, past ``async_max_loads``, the step's)."""
         self._async_done: set[str] = set()
@@ -362,8 +362,10 @@ class WorkerConnector:
     def _copy_in_background(self, req: ReqMeta) -> CopyResult:
         """Prefetch thread, after its reads: copy what the CPU tier holds of ``req``'s load into
         its blocks (vLLM does not touch them while the request waits for its KV). Only the
-        chunks the prefetch holds are read, so this never waits on a lower tier. The worker
-        thread records the result (:meth:`_record_copy`)."""
+        chunks the prefetch holds are read (the load is cut at the first one it did not get),
+        so this does not wait on a lower tier, except for a block-granular tail of another
+        entry, which is not prefetched (docs/async_loading.md). The worker thread records the
+        result (:meth:`_record_copy`)."""
         spec = req.load
         assert spec is not None
         held = self._resident_end(req)
