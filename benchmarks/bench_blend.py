@@ -15,6 +15,9 @@ full prefill of the same prompt:
 
 Models: a tiny random Llama (always) and ``models/smollm2-135m`` when present.
 
+``anchor``: documents cached alone (from position 0) against cached after the chat header,
+blended offline on the real model (``blend_anchor.py`` says more).
+
 ``serving``: the real model in vLLM's OpenAI server, a full-prefill baseline against one server
 per recompute ratio with lmcache blending, on the question set of ``harness/rag_dataset.py``: accuracy
 paired with the baseline's (with a 95% interval), the teacher-forced log-probability of the gold
@@ -26,6 +29,7 @@ Usage::
     python benchmarks/bench_blend.py [core] [--tokens 1000] [--reps 3] [--threads 1] [--ratios 0,0.05,0.15,0.3,0.6,1]
     python benchmarks/bench_blend.py serving [--ratios 0,0.1,0.2,0.3,0.5,1] [--questions 117] [--speed-prompts 3]
         [--parallel 2] [--no-score] [--json out.json]
+    python benchmarks/bench_blend.py anchor [--questions 100] [--ratios 0.2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def layer_breakdown(blend_s: tuple[float, ...], full_s: tuple[float, ...], recom
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", choices=("core", "serving"), default="core")
+    parser.add_argument("mode", nargs="?", choices=("core", "serving", "anchor"), default="core")
     parser.add_argument(
         "--ratios",
         type=lambda s: [float(x) for x in s.split(",") if x.strip()],
@@ -130,9 +134,14 @@ def main() -> None:
     from benchmarks import blend_serving
 
     blend_serving.add_arguments(parser.add_argument_group("serving"))
+    from benchmarks import blend_anchor
+
+    blend_anchor.add_arguments(parser.add_argument_group("anchor"))
     args = parser.parse_args()
     if args.mode == "serving":
         sys.exit(blend_serving.main(args))
+    if args.mode == "anchor":
+        sys.exit(blend_anchor.main(args))
     if args.ratios is None:
         args.ratios = [0, 0.05, 0.15, 0.3, 0.6, 1]
     torch.set_grad_enabled(False)
