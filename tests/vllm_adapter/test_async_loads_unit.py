@@ -4,6 +4,7 @@ the worker's prefetch bookkeeping (deadline, references held and released)."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -180,6 +181,33 @@ def test_a_background_copy_under_way_at_the_deadline_is_waited_for():
         pending.future.result(5)
         (ready,) = loads.ready(now=pending.deadline + 1)
         assert not ready.timed_out and ready.copy is not None
+        ready.release()
+    finally:
+        loads.close()
+
+
+def test_an_idle_step_waits_for_a_prefetch_to_end_but_not_longer_than_asked():
+    """``wait_settled`` (a step that scheduled nothing): returns when a prefetch ends, after the
+    timeout while it runs, and at once with nothing pending or a prefetch already done."""
+    engine = _Engine()
+    loads = AsyncLoads(engine, timeout=30.0)
+    try:
+        t0 = time.monotonic()
+        loads.wait_settled(5.0)  # nothing pending
+        assert time.monotonic() - t0 < 1.0
+        loads.start(_req())
+        (pending,) = loads._pending.values()
+        t0 = time.monotonic()
+        loads.wait_settled(0.05)  # still reading: the timeout
+        assert 0.04 <= time.monotonic() - t0 < 2.0
+        threading.Timer(0.05, engine.gate.set).start()
+        t0 = time.monotonic()
+        loads.wait_settled(10.0)  # the prefetch ends: woken
+        assert time.monotonic() - t0 < 5.0 and pending.future.done()
+        t0 = time.monotonic()
+        loads.wait_settled(5.0)  # one already done: at once
+        assert time.monotonic() - t0 < 1.0
+        (ready,) = loads.ready()
         ready.release()
     finally:
         loads.close()

@@ -120,6 +120,7 @@ def sched_output(new=(), cached=(), resumed=(), num_scheduled=None) -> SimpleNam
             num_computed_tokens=[c for _, _, c in cached],
         ),
         num_scheduled_tokens=dict(num_scheduled or {}),
+        total_num_scheduled_tokens=sum((num_scheduled or {}).values()),
     )
 
 
@@ -714,6 +715,8 @@ def test_dynamic_connector_forwards(tmp_path):
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         sched.update_state_after_alloc(req, None, 0)
         meta = sched.build_connector_meta(sched_output(new=[("r", [0, 1, 2, 3, 4, 5], 0)], num_scheduled={"r": 40}))
+        assert not meta.idle  # tokens were scheduled; a step of none is marked idle for the worker
+        assert sched.build_connector_meta(sched_output()).idle
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()
