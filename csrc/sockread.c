@@ -7,8 +7,8 @@
  * model) in recv_into calls of ~200 KB each. Every call releases the GIL for the system call
  * and must take it back afterwards; while another thread of the process holds it (vLLM's step
  * loop beside an asynchronous prefetch) each return waits for that thread's switch interval.
- * Measured: 16 GETs of 11.8 MB take 172 ms alone and 578 ms beside a Python thread that
- * keeps the GIL busy. One call here releases the GIL once for the whole value.
+ * One call here releases the GIL once for the whole value (`lmcache bench remote` compares
+ * the two readers, alone and beside a thread that keeps the GIL busy; docs/remote.md).
  *
  *   recv_exact(fd, buffer, timeout) -> int
  *       fd: a connected socket's descriptor (blocking or not: the loop polls).

@@ -380,11 +380,14 @@ class LMCacheEngineConfig:
     decoder honours ``do_remote_prefill`` only with parameters the proxy signed with it
     (:mod:`lmcache.pd.signing`). Required on a decoder."""
     pd_max_waiting: int = 64
+    """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
+    at once (counted as ``pd_wait_refused``)."""
     enable_async_loading: bool = False
     """vLLM adapter (``LMCacheConnectorV1Dynamic``): a hit that is not all in the CPU tier is
     loaded while the request waits and other requests run (docs/async_loading.md): its disk
     or remote chunks are read into the CPU tier in the background, then copied into vLLM's
-    blocks (``async_copy_in_background``). Off: every hit is loaded in the step that computes the request."""
+    blocks (``async_copy_in_background``). Off: every hit is loaded in the step that
+    computes the request."""
     async_load_timeout: float = 10.0
     """Seconds an asynchronous load may take; what is not in the CPU tier by then is
     recomputed by vLLM (a frozen or lost remote tier never holds a request longer)."""
@@ -400,8 +403,6 @@ class LMCacheEngineConfig:
     (vLLM does not touch them while the request waits), so the request is handed back one
     step after its prefetch ends and no step copies anything. False, or GPU KV: the copy runs
     at the end of the steps, ``async_copy_step_tokens`` per step."""
-    """Decoder: requests that may wait for a prefiller's KV at once; more are computed here
-    at once (counted as ``pd_wait_refused``)."""
     enable_blending: bool = False
     """CacheBlend (docs/blending.md): documents separated by ``blend_special_str`` are cached
     on their own and reused at any position of a later prompt, with a selective recompute.

@@ -195,8 +195,9 @@ def _recv_into(sock: socket.socket, buf: memoryview, deadline: float) -> int:
 
 def _recv_exact(sock: socket.socket, buf: memoryview, deadline: float) -> None:
     """Fill ``buf`` from ``sock`` by ``deadline``: one call into ``lmcache._sockread`` when it
-    is built (the GIL released for the whole value, so a thread holding it, such as vLLM's
-    step loop beside a prefetch, cannot slow the read down), else a ``recv_into`` loop."""
+    is built (the GIL released for the whole value: another thread holding it, such as
+    vLLM's step loop beside a prefetch, delays the reply's few Python steps, not each of its
+    ~60 socket reads), else a ``recv_into`` loop."""
     if not buf.nbytes:
         return
     # a plain socket only: a TLS socket's descriptor carries ciphertext
