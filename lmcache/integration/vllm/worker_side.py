@@ -366,16 +366,11 @@ class WorkerConnector:
         so this does not wait on a lower tier, except for a block-granular tail of another
         entry, which is not prefetched (docs/async_loading.md). The worker thread records the
         result (:meth:`_record_copy`)."""
-        spec = req.load
-        assert spec is not None
-        held = self._resident_end(req)
-        if held <= spec.num_local:
+        part = self._resident_part(req, keep_tail=True)
+        if part is None:
             return CopyResult(None)
-        if held < spec.load_len - spec.load_len % self.chunk_size:  # a chunk the prefetch did not get: cut there
-            req = replace(req, load=LoadSpec(spec.num_local, spec.num_external, held))
-        # else the whole load (its last partial part may be a block-granular tail of another entry)
-        tokens, mask, kwargs = self._load_args(req)
-        return CopyResult(req.load, self.engine.retrieve(tokens, mask, **kwargs))
+        tokens, mask, kwargs = self._load_args(part)
+        return CopyResult(part.load, self.engine.retrieve(tokens, mask, **kwargs))
 
     def _record_copy(self, req: ReqMeta, result: CopyResult) -> None:
         """Worker thread: account for a load the prefetch thread copied (failed blocks, state)."""
@@ -488,13 +483,14 @@ class WorkerConnector:
                       "loading what the CPU tier holds, recomputing the rest", req.req_id,
                       self.engine.config.async_load_timeout)  # fmt: skip
             self.engine.storage_manager.suspect_remote("an asynchronous load was not read within async_load_timeout")
-            held = self._resident_end(req)
-            if held <= spec.num_local:
+            part = self._resident_part(req, keep_tail=False)
+            if part is None:
                 self._fail(req, spec.num_local, "async-miss", "lmcache: nothing of %s's hit in the CPU tier at its "
                            "deadline; recomputing", req.req_id)  # fmt: skip
                 return budget, True
-            spec = LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held))
-            pending.req = req = replace(req, load=spec)
+            pending.req = req = part
+            spec = part.load
+            assert spec is not None
         start = max(spec.num_local, pending.copied)
         c = self.chunk_size
         stop = min(spec.end, start - start % c + max(c, budget - budget % c))  # whole chunks, at least one
@@ -511,6 +507,20 @@ class WorkerConnector:
         assert req.load is not None
         pk = self.engine.prefix_keys(req.token_ids[: req.load.load_len], **req.load_key_extras)
         return self.engine.resident_prefix(pk, req.load.load_len)
+
+    def _resident_part(self, req: ReqMeta, *, keep_tail: bool) -> ReqMeta | None:
+        """``req`` with its load cut to what the CPU tier holds now (the rest is then reported
+        failed by the copy's check), or None when that is nothing. ``keep_tail``: when every
+        whole chunk is held, keep the load's last partial part too (a block-granular tail of
+        another entry, which no prefetch reads) instead of cutting at the last whole chunk."""
+        spec = req.load
+        assert spec is not None
+        held = self._resident_end(req)
+        if held <= spec.num_local:
+            return None
+        if keep_tail and held >= spec.load_len - spec.load_len % self.chunk_size:
+            return req
+        return replace(req, load=LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held)))
 
     def close_async(self) -> None:
         """Shutting down: drop the pending loads (vLLM is stopping; nothing waits for them)."""
