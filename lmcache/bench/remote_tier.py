@@ -78,21 +78,28 @@ def tier_put_get(backend: RemoteBackend, local: LocalCPUBackend, size: int, n: i
         assert obj is not None, "pool too small for the benchmark"
         obj.byte_array.copy_(noise[i : i + size])  # distinct contents per value
         objs.append(obj)
-    keys = [CacheEngineKey("bench", 1, 0, (tag << 32) + i, "float32") for i in range(n)]
     t0 = time.perf_counter()
-    for k, o in zip(keys, objs):
+    for k, o in zip(bench_keys(tag, n), objs):
         backend.submit_put(k, o)
     assert backend.flush(300), "flush timed out"
     t_put = time.perf_counter() - t0
     for o in objs:
         o.ref_count_down()
+    return n * size / t_put / GB, tier_get(backend, size, n, tag)
+
+
+def bench_keys(tag: int, n: int) -> list[CacheEngineKey]:
+    return [CacheEngineKey("bench", 1, 0, (tag << 32) + i, "float32") for i in range(n)]
+
+
+def tier_get(backend: RemoteBackend, size: int, n: int, tag: int) -> float:
+    """GB/s of ``get_blocking`` of the n values :func:`tier_put_get` wrote with ``tag``, one by one."""
     t0 = time.perf_counter()
-    for k in keys:
+    for k in bench_keys(tag, n):
         got = backend.get_blocking(k)
         assert got is not None, "tier miss in the benchmark"
         got.ref_count_down()
-    t_get = time.perf_counter() - t0
-    return n * size / t_put / GB, n * size / t_get / GB
+    return n * size / (time.perf_counter() - t0) / GB
 
 
 @contextlib.contextmanager
@@ -130,9 +137,9 @@ def reader_comparison(url: str, size: int, n: int, reps: int, pool_bytes: int, r
                 rows.append((label, float("nan"), float("nan")))
                 continue
             resp._sockread = reader
-            alone = statistics.median(_tier_get(backend, size, n, 7) for _ in range(reps))
+            alone = statistics.median(tier_get(backend, size, n, 7) for _ in range(reps))
             with busy_python_thread():
-                busy = statistics.median(_tier_get(backend, size, n, 7) for _ in range(reps))
+                busy = statistics.median(tier_get(backend, size, n, 7) for _ in range(reps))
             rows.append((label, alone, busy))
     finally:
         resp._sockread = native
@@ -144,16 +151,6 @@ def reader_comparison(url: str, size: int, n: int, reps: int, pool_bytes: int, r
               f"{busy:5.2f} ({busy / raw_get:4.2f} x)")
     if native is None:
         print("  (lmcache._sockread is not built: pip install -e . builds it with a C compiler)")
-
-
-def _tier_get(backend: RemoteBackend, size: int, n: int, tag: int) -> float:
-    keys = [CacheEngineKey("bench", 1, 0, (tag << 32) + i, "float32") for i in range(n)]
-    t0 = time.perf_counter()
-    for k in keys:
-        got = backend.get_blocking(k)
-        assert got is not None, "tier miss in the benchmark"
-        got.ref_count_down()
-    return n * size / (time.perf_counter() - t0) / GB
 
 
 def redis_benchmark(host: str, port: int, size: int, n: int) -> tuple[float, float] | None:
