@@ -30,7 +30,6 @@ per ratio on 2 cores.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -139,9 +138,10 @@ class Bench:
 
 
 def interval(xs: list[float]) -> tuple[float, float, float]:
-    m = statistics.fmean(xs)
-    half = 1.96 * statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-    return m, m - half, m + half
+    """Mean and its 95% interval over the questions (the serving mode's bootstrap)."""
+    from benchmarks.blend_serving import bootstrap_mean_ci
+
+    return (statistics.fmean(xs), *bootstrap_mean_ci(xs))
 
 
 def report(ratio: float, rows: list[Outcome]) -> None:
