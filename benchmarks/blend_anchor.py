@@ -116,7 +116,7 @@ class Bench:
             kv = full_prefill(self.model, torch.tensor(prefix + rag.doc_ids(self.tok, d)))
             skip = len(prefix) + 1
             pieces.append(CachedSegmentKV(starts[d] + 1, [k[skip:] for k in kv.keys], [v[skip:] for v in kv.values],
-                                          old_start=skip))  # fmt: skip
+                                          old_start=skip, recomputed_before=1))  # fmt: skip
         return pieces
 
     def question(self, q: int, ratio: float) -> Outcome:

@@ -100,6 +100,10 @@ def test_anchor_is_inside_the_segment_and_lead_is_bounded(tok, text, words):
     ids = tok(" ".join(words))["input_ids"]
     anchor = text.anchor(ids, 0, len(ids))
     assert 0 < anchor.start <= len(ids) and len(anchor.lead) <= 256
+    # the lead's tokens (recomputed on reuse, counted towards the ratio) are those right before start
+    assert 0 <= anchor.lead_tokens <= anchor.start
+    lead_text = tok.decode(ids[anchor.start - anchor.lead_tokens : anchor.start]).strip()
+    assert lead_text.encode("utf-8", "replace")[:256] == anchor.lead
 
 
 def chat_ids(tok, messages: list[dict]) -> list[int]:

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from lmcache.v1.blend import BlendConfig, ReusedKV, blend, deviation, full_prefill
+from lmcache.v1.blend import BlendConfig, CachedSegmentKV, ReusedKV, assemble, blend, deviation, full_prefill
+from lmcache.v1.blend.blender import _budget
 from lmcache.v1.blend.hf_llama import HFLlamaBlendModel
 from tests.blend.helpers import rag_prompt, tiny_llama
 
@@ -132,11 +135,54 @@ def test_the_selection_budget_per_check_layer(model):
     reused[-1] = False
     num_reused = int(reused.sum())
     res = blend(model, sc.ids, sc.reused, BlendConfig((0.5, 0.15), (1, 2)))
-    assert int(res.recomputed.sum()) == int((~reused).sum()) + math.ceil(0.15 * num_reused)
+    assert int(res.recomputed.sum()) == int((~reused).sum()) + math.floor(0.15 * num_reused + 1e-9)
     assert bool(res.recomputed[~reused].all())
     ref = full_prefill(model, sc.ids)
     single = deviation(blend(model, sc.ids, sc.reused, BlendConfig((0.15,), (1,))), ref)
     assert deviation(res, ref) <= single * (1 + 1e-6)  # layer 2 recomputed more tokens
+
+
+@given(
+    ratio=st.floats(0.0, 1.0),
+    num_reused=st.integers(0, 5000),
+    forced=st.integers(0, 300),
+    known=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_ratio_bounds_the_recomputed_share_of_the_documents(ratio, num_reused, forced, known):
+    """Tokens recomputed anyway (first words) count towards the ratio: the recomputed share of
+    the documents' tokens is at most the ratio, and one more token would pass it."""
+    documents = num_reused + forced if known else None
+    budget = _budget(ratio, num_reused, documents)
+    base = num_reused + forced if known else num_reused
+    assert 0 <= budget <= num_reused
+    if ratio >= 1.0:
+        assert budget == num_reused
+    elif budget > 0:
+        assert (base - num_reused) + budget <= ratio * base + 1e-6
+    if budget < num_reused and ratio < 1.0:
+        assert (base - num_reused) + budget + 1 > ratio * base - 1e-6
+
+
+def test_recomputed_first_words_count_towards_the_ratio(model):
+    """Documents cached without their first token (as served: the key starts at the second
+    word): at ratio 0.2 at least 80% of the documents' tokens keep their cached KV."""
+    gen = torch.Generator().manual_seed(3)
+    docs = [torch.randint(10, 256, (n,), generator=gen).tolist() for n in (40, 33, 51)]
+    prompt = torch.randint(10, 256, (5,), generator=gen).tolist()
+    pieces, doc_tokens = [], 0
+    for doc in docs:
+        kv = full_prefill(model, torch.tensor(doc))
+        pieces.append(CachedSegmentKV(len(prompt) + 1, [k[1:] for k in kv.keys], [v[1:] for v in kv.values],
+                                      old_start=1, recomputed_before=1))  # fmt: skip
+        prompt += doc + [7, 7]
+        doc_tokens += len(doc)
+    prompt += torch.randint(10, 256, (9,), generator=gen).tolist()
+    reused = assemble(len(prompt), pieces, model.rope)
+    assert reused.documents == doc_tokens
+    res = blend(model, torch.tensor(prompt), reused, BlendConfig((0.2,), (1,)))
+    kept = int((reused.mask & ~res.recomputed).sum())
+    assert kept >= 0.8 * doc_tokens and kept - 1 < 0.8 * doc_tokens
 
 
 def test_no_reuse_is_a_full_prefill(model):
@@ -233,7 +279,10 @@ def reference_blend(model, ids: torch.Tensor, reused: ReusedKV, config: BlendCon
             dev = dev_k + (v - reused.values[li][sel]).pow(2).sum(dim=(1, 2))
             cand = is_reused[sel]
             keep = ~cand
-            budget = min(math.ceil(checks[li] * num_reused - 1e-9), int(cand.sum()))
+            base = reused.documents if reused.documents is not None else num_reused
+            forced = base - num_reused
+            share = num_reused if checks[li] >= 1 else math.floor(checks[li] * base + 1e-9) - forced
+            budget = max(0, min(share, int(cand.sum())))
             keep[torch.topk(torch.where(cand, dev, torch.tensor(-1.0)), budget).indices] = True
             sel, hidden = sel[keep], hidden[keep]
     logits = model.logits(model.final_norm(hidden[-1:]))[0]

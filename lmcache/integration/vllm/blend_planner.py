@@ -164,12 +164,13 @@ class BlendPlanner:
         out = []
         text_before = False
         for a, b, follows_special in bounds:
-            start, lead = a, b""
+            start, lead, lead_tokens = a, b"", 0
             if text is not None:
                 anchor = text.anchor(prompt, a, b, after_special=follows_special)
-                start, lead = anchor.start, anchor.lead
+                start, lead, lead_tokens = anchor.start, anchor.lead, anchor.lead_tokens
             if b - start >= self.rules.min_segment_tokens:
-                out.append(SegmentRef(start, b, lead=lead, storable=not text_before and b < n))
+                storable = not text_before and b < n
+                out.append(SegmentRef(start, b, lead=lead, storable=storable, lead_tokens=lead_tokens))
             if not text_before:
                 text_before = text is None or any(text.is_text(int(t)) for t in prompt[a:b])
         return out

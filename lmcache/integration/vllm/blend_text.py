@@ -46,10 +46,12 @@ BLANK_CHARS = frozenset("ĠĊĉč▁ \n\t\r")
 
 @dataclass(frozen=True, slots=True)
 class Anchor:
-    """A segment's cacheable part starts at ``start``; ``lead`` is the key text before it."""
+    """A segment's cacheable part starts at ``start``; ``lead`` is the key text before it,
+    ``lead_tokens`` the tokens it spans (recomputed whenever the segment is reused)."""
 
     start: int
     lead: bytes
+    lead_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -97,7 +99,7 @@ class TokenText:
         if at >= limit:
             at = min(first + 1, end)
         lead = self.decode([int(t) for t in tokens[first:at]]).strip().encode("utf-8", "replace")
-        return Anchor(at, lead[:MAX_LEAD_BYTES])
+        return Anchor(at, lead[:MAX_LEAD_BYTES], at - first)
 
     def _skip_blank(self, tokens: Sequence[int], i: int, end: int) -> int:
         while i < end and (int(tokens[i]) in self.special or int(tokens[i]) in self.blank):

@@ -107,7 +107,7 @@ class BlendRunner:
             return None
         keys = [k[sink:].to(device) for k in kv.keys]  # the first `sink` tokens are recomputed
         values = [v[sink:].to(device) for v in kv.values]
-        return CachedSegmentKV(ref.start + sink, keys, values, old_start=sink)
+        return CachedSegmentKV(ref.start + sink, keys, values, old_start=sink, recomputed_before=ref.lead_tokens + sink)
 
     @staticmethod
     def _write(

@@ -62,7 +62,9 @@ class StateRef:
 class SegmentRef:
     """A segment (document) of a prompt: tokens ``[start, end)``; ``cached`` leading tokens
     of it have segment entries (blending, :mod:`lmcache.v1.blend`). ``lead``: the text
-    folded into its key before ``start`` (its first word; :class:`~lmcache.v1.blend.segments.Segment`).
+    folded into its key before ``start`` (its first word; :class:`~lmcache.v1.blend.segments.Segment`),
+    ``lead_tokens`` the tokens of that word (recomputed when the segment is reused; they count
+    towards the recompute ratio's base).
     ``storable``: the prompt's first segment, ended by a separator: its KV was computed from
     the prompt's start, as if sent alone, and the separator marks it as a document (only
     such segments are stored)."""
@@ -72,6 +74,7 @@ class SegmentRef:
     cached: int = 0
     lead: bytes = b""
     storable: bool = False
+    lead_tokens: int = 0
 
     @property
     def bound(self) -> tuple[int, int, bytes]:

@@ -8,9 +8,10 @@ full prefill. CacheBlend recomputes only the tokens whose KV deviates most:
 
 1. Layers ``0 .. check`` run for every token (fresh KV for all of them).
 2. At the check layer, right after its q/k/v, each reused token's deviation is the squared
-   L2 distance between its fresh and its cached K and V. The ``ratio`` fraction of the
-   reused tokens with the largest deviation, every token without cached KV (new text,
-   separators) and the last token stay *selected*; the others keep the check layer's fresh
+   L2 distance between its fresh and its cached K and V. The reused tokens with the largest
+   deviation, as many as bring the recomputed share of the documents' tokens to ``ratio``
+   (each document's first word, recomputed anyway, counts towards it), every token without
+   cached KV (new text, separators) and the last token stay *selected*; the others keep the check layer's fresh
    KV there and their cached KV from the next layer on. The check layer's attention and MLP
    already run for the selected tokens only (a token's output depends on the others only
    through their KV, which every token has at that point).
@@ -135,7 +136,7 @@ def blend(
         keep = None
         if li in checks and num_reused and cached is not None:
             # chosen before this layer's KV is written: the deviation compares with the cached rows
-            keep = _select(k, v, cached, li, sel, is_reused, math.ceil(checks[li] * num_reused - 1e-9))
+            keep = _select(k, v, cached, li, sel, is_reused, _budget(checks[li], num_reused, cached.documents))
         if sel.shape[0] == n:
             k_all, v_all = k, v
         else:
@@ -174,6 +175,16 @@ def _reused_mask(reused: ReusedKV | None, n: int, num_layers: int, device: torch
     mask = reused.mask.to(device).clone()
     mask[-1] = False
     return mask, int(mask.sum())
+
+
+def _budget(ratio: float, num_reused: int, documents: int | None) -> int:
+    """Reused tokens to recompute at a check layer: the recomputed share of the documents'
+    tokens stays at most ``ratio``, counting the tokens recomputed anyway (each document's
+    first word: ``documents - num_reused``); ``ratio`` 1 recomputes every reused token."""
+    if ratio >= 1.0:
+        return num_reused
+    base = num_reused if documents is None else max(documents, num_reused)
+    return max(0, min(num_reused, math.floor(ratio * base + 1e-9) - (base - num_reused)))
 
 
 def _select(

@@ -45,11 +45,14 @@ class ReusedKV:
 
     ``mask`` bool ``[num_tokens]``: True where the token has cached KV. ``keys``/``values``:
     per layer ``[num_tokens, num_kv_heads, head_dim]``; rows where ``mask`` is False are
-    ignored (their content is unspecified)."""
+    ignored (their content is unspecified). ``documents``: the tokens of the documents these
+    rows come from, their recomputed leading tokens included (the base of the recompute
+    ratio); None: the cached rows alone."""
 
     mask: torch.Tensor
     keys: Sequence[torch.Tensor]
     values: Sequence[torch.Tensor]
+    documents: int | None = None
 
     def check(self, num_tokens: int, num_layers: int) -> None:
         """Raise ValueError unless this covers ``num_tokens`` tokens in ``num_layers`` layers."""
@@ -65,12 +68,16 @@ class ReusedKV:
 @dataclass(frozen=True, slots=True, eq=False)
 class CachedSegmentKV:
     """One cached segment: its KV per layer (``[len, num_kv_heads, head_dim]``, keys rotated
-    for positions ``old_start .. old_start + len - 1``) and where it sits in the new prompt."""
+    for positions ``old_start .. old_start + len - 1``) and where it sits in the new prompt.
+    ``recomputed_before``: tokens of the same document right before ``start`` that are
+    recomputed anyway (its first word, attention sinks); they count towards the recompute
+    ratio's base (:attr:`ReusedKV.documents`)."""
 
     start: int
     keys: Sequence[torch.Tensor]
     values: Sequence[torch.Tensor]
     old_start: int = 0
+    recomputed_before: int = 0
 
     def __len__(self) -> int:
         return self.keys[0].shape[0]
@@ -114,4 +121,5 @@ def assemble(num_tokens: int, segments: Sequence[CachedSegmentKV], rope: Rerotat
         rotated = rerotate_layers(rope, [k[rows] for k in keys], from_pos, new_pos)
         for k, r in zip(keys, rotated):
             k[rows] = r
-    return ReusedKV(mask, keys, values)
+    documents = int(mask.sum()) + sum(seg.recomputed_before for seg in segments)
+    return ReusedKV(mask, keys, values, documents)
