@@ -172,3 +172,51 @@ def test_a_given_put_without_l1_retention_releases_everything():
     obj = sm.allocate((ALIGN,), torch.uint8, MemoryFormat.BINARY)
     sm.batched_put([KEY], [obj], give=True)
     assert not obj.is_valid() and KEY in lower.data and sm.local_cpu.allocator.used_bytes == 0
+
+
+def _ref_counts(sm: StorageManager, keys) -> list[int]:
+    out = []
+    for k in keys:
+        obj = sm.local_cpu.get_blocking(k)
+        out.append(-1 if obj is None else obj.get_ref_count() - 1)  # minus this probe's own reference
+        if obj is not None:
+            obj.ref_count_down()
+    return out
+
+
+def test_iter_prefix_yields_what_batched_get_returns_in_order_and_stops_at_a_miss():
+    """The streamed read gives the same prefix as the batched read (L1 part first), one
+    reference each for the caller, and cuts at the first miss (hits after it released)."""
+    disk = FakeTier("disk")
+    sm = manager(disk)
+    keys = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(5)]
+    for i, k in enumerate(keys):
+        if i != 3:  # key 3 missing: the prefix is 0..2
+            disk.data[k] = bytes([i]) * ALIGN
+    sm.get(keys[0]).ref_count_down()  # key 0 promoted into L1
+    batches = list(sm.iter_prefix(keys))
+    objs = [o for b in batches for o in b]
+    assert [int(o.byte_array[0]) for o in objs] == [0, 1, 2]
+    assert len(batches[0]) == 1  # the L1 prefix (key 0) comes first, on its own
+    assert list(sm.local_cpu.policy.victims())[-1] == keys[0]  # the head is the most recent
+    for o in objs:
+        o.ref_count_down()
+    assert _ref_counts(sm, keys[:3]) == [1, 1, 1]  # only L1's own references are left
+    sm.close()
+
+
+def test_closing_iter_prefix_early_releases_the_reads_it_did_not_yield():
+    disk = FakeTier("disk")
+    sm = manager(disk)
+    keys = [CacheEngineKey("m", 1, 0, i, "uint8") for i in range(4)]
+    for i, k in enumerate(keys):
+        disk.data[k] = bytes([i]) * ALIGN
+    stream = sm.iter_prefix(keys)
+    first = next(stream)
+    stream.close()
+    for o in first:
+        o.ref_count_down()
+    sm.flush(5)
+    counts = _ref_counts(sm, keys)
+    assert all(c in (-1, 1) for c in counts), counts  # promoted entries hold L1's reference only
+    sm.close()

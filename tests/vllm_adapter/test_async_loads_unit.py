@@ -8,6 +8,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
@@ -66,12 +67,16 @@ class _Obj:
 
 
 class _Engine:
-    """``prefix_keys`` and a storage manager whose batched read waits for ``gate``."""
+    """``prefix_keys`` and a storage manager whose reads wait for ``gate`` (the streamed read:
+    the first chunk after ``gate``, the rest after ``gate2`` too)."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
+        self.gate2 = threading.Event()
+        self.gate2.set()
         self.objs = [_Obj(), _Obj()]
-        self.storage_manager = SimpleNamespace(batched_get=self._get)
+        self.config = SimpleNamespace(chunk_size=CHUNK)
+        self.storage_manager = SimpleNamespace(batched_get=self._get, iter_prefix=self._iter)
 
     def prefix_keys(self, tokens, **extras):
         return SimpleNamespace(chunk_size=CHUNK, keys=[f"k{i}" for i in range(-(-len(tokens) // CHUNK))])
@@ -79,6 +84,18 @@ class _Engine:
     def _get(self, keys):
         self.gate.wait(10)
         return self.objs[: len(keys)]
+
+    def _iter(self, keys):
+        self.gate.wait(10)
+        rest = self.objs[1 : len(keys)]
+        try:
+            yield self.objs[:1]
+            self.gate2.wait(10)
+            out, rest = rest, []
+            yield out
+        finally:  # closed early: the reads not yielded are released (as iter_prefix does)
+            for obj in rest:
+                obj.ref_count_down()
 
 
 def _req(n: int = 32) -> ReqMeta:
@@ -105,25 +122,61 @@ def test_a_load_is_ready_when_prefetched_or_at_its_deadline_and_releases_its_ref
         loads.close()
 
 
-def test_the_prefetch_thread_copies_a_load_once_it_has_read_it_unless_the_deadline_took_it():
-    """With a copier (CPU KV) the prefetch thread copies right after its reads, and the
-    worker only records the result; a load the deadline claimed first is never copied by the
-    late prefetch (one side copies), and a copier that raises is a failed load, reported."""
-    copies: list[str] = []
+def _copier(copies: list[tuple[int, int]]):
+    def copier(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
+        copies.append((start, stop))
+        written = torch.zeros(stop, dtype=torch.bool)
+        written[start:stop] = True
+        return written
 
-    def copier(req: ReqMeta) -> CopyResult:
-        copies.append(req.req_id)
-        return CopyResult(req.load)
+    return copier
 
+
+def test_the_prefetch_thread_copies_each_batch_as_its_reads_land():
+    """With a copier (CPU KV) the prefetch thread copies the first chunk while the second is
+    still being read, then the second; the worker only records the result."""
+    copies: list[tuple[int, int]] = []
     engine = _Engine()
+    engine.gate2.clear()
     loads = AsyncLoads(engine, timeout=5.0)
     try:
-        loads.start(_req(), copier)
+        loads.start(_req(), _copier(copies))
         (pending,) = loads._pending.values()
         engine.gate.set()
+        deadline = time.monotonic() + 5
+        while not copies and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert copies == [(0, CHUNK)] and not pending.future.done()  # copied while chunk 2 is read
+        engine.gate2.set()
         pending.future.result(5)
         (ready,) = loads.ready()
-        assert copies == ["r"] and ready.copy == CopyResult(ready.req.load) and not ready.timed_out
+        assert copies == [(0, CHUNK), (CHUNK, 2 * CHUNK)] and not ready.timed_out
+        assert ready.copy.load == ready.req.load and bool(ready.copy.written.all())
+        ready.release()
+    finally:
+        loads.close()
+
+
+def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied():
+    """Past the deadline the prefetch thread copies nothing more: the worker takes the part
+    copied so far (the rest is recomputed), never waits for the reads."""
+    copies: list[tuple[int, int]] = []
+    engine = _Engine()
+    engine.gate2.clear()
+    loads = AsyncLoads(engine, timeout=0.5)
+    try:
+        loads.start(_req(), _copier(copies))
+        (pending,) = loads._pending.values()
+        engine.gate.set()
+        deadline = time.monotonic() + 5
+        while pending.progress is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        (ready,) = loads.ready(now=pending.deadline)  # the second chunk is still being read
+        assert ready.timed_out and ready.copy is None
+        assert ready.progress.load == LoadSpec(0, 32, CHUNK) and ready.progress.written[:CHUNK].all()
+        engine.gate2.set()
+        pending.future.result(5)
+        assert copies == [(0, CHUNK)] and ready.copy is None  # nothing copied after the deadline
         ready.release()
     finally:
         loads.close()
@@ -131,10 +184,10 @@ def test_the_prefetch_thread_copies_a_load_once_it_has_read_it_unless_the_deadli
     engine, copies = _Engine(), []
     loads = AsyncLoads(engine, timeout=0.5)
     try:
-        loads.start(_req(), copier)
+        loads.start(_req(), _copier(copies))
         (pending,) = loads._pending.values()
-        (ready,) = loads.ready(now=pending.deadline)  # the worker claims it: copied in its step
-        assert ready.timed_out
+        (ready,) = loads.ready(now=pending.deadline)  # nothing read yet: the worker copies in its step
+        assert ready.timed_out and ready.progress is None
         engine.gate.set()
         pending.future.result(5)
         assert copies == [] and ready.copy is None
@@ -142,7 +195,9 @@ def test_the_prefetch_thread_copies_a_load_once_it_has_read_it_unless_the_deadli
     finally:
         loads.close()
 
-    def broken(req: ReqMeta) -> CopyResult:
+
+def test_a_copier_that_raises_is_a_failed_load():
+    def broken(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
         raise OSError("copy failed")
 
     engine = _Engine()
@@ -160,27 +215,35 @@ def test_the_prefetch_thread_copies_a_load_once_it_has_read_it_unless_the_deadli
         loads.close()
 
 
-def test_a_background_copy_under_way_at_the_deadline_is_waited_for():
-    """The deadline does not take a load whose copy the prefetch thread has started."""
+def test_the_deadline_waits_for_the_batch_being_copied():
+    """A batch the prefetch thread is copying at the deadline is finished (a memory copy),
+    then nothing more is copied."""
     started, finish = threading.Event(), threading.Event()
 
-    def copier(req: ReqMeta) -> CopyResult:
+    def copier(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
         started.set()
         finish.wait(10)
-        return CopyResult(req.load)
+        return torch.ones(stop, dtype=torch.bool)
 
     engine = _Engine()
     engine.gate.set()
+    engine.gate2.clear()
     loads = AsyncLoads(engine, timeout=0.5)
     try:
         loads.start(_req(), copier)
         (pending,) = loads._pending.values()
         assert started.wait(5)
-        assert loads.ready(now=pending.deadline + 1) == []  # copying: not taken by the deadline
+        got: list = []
+        taker = threading.Thread(target=lambda: got.extend(loads.ready(now=pending.deadline + 1)))
+        taker.start()
+        taker.join(0.2)
+        assert taker.is_alive()  # waiting for the batch in flight
         finish.set()
+        taker.join(5)
+        (ready,) = got
+        assert ready.timed_out and ready.progress.load.load_len == CHUNK
+        engine.gate2.set()
         pending.future.result(5)
-        (ready,) = loads.ready(now=pending.deadline + 1)
-        assert not ready.timed_out and ready.copy is not None
         ready.release()
     finally:
         loads.close()

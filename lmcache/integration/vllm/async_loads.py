@@ -17,15 +17,17 @@ until :meth:`PendingLoad.release` (worker thread, after the copy), so the CPU po
 for in-flight prefetches is bounded by the pool itself. The copy into vLLM's blocks reads
 only what the CPU tier holds then, so a remote tier that froze mid-prefetch never blocks
 it; what is missing is reported as failed blocks (vLLM recomputes them). With a *copier*
-(:meth:`AsyncLoads.start`; CPU KV, ``async_copy_in_background``) the prefetch thread runs
-the copy right after its reads and keeps the :class:`CopyResult` for the worker thread,
-which only records it; without one the worker (``WorkerConnector``) copies at step ends.
+(:meth:`AsyncLoads.start`; CPU KV, ``async_copy_in_background``) the prefetch thread copies
+the load into the blocks itself, each batch of chunks as soon as its reads land (so the copy
+overlaps the reads still in flight), and keeps the :class:`CopyResult` for the worker
+thread, which only records it; without one the worker (``WorkerConnector``) copies at step ends.
 
 Deadline: a load whose prefetch is not done ``async_load_timeout`` seconds after it started
-is copied as far as the CPU tier holds it (``timed_out``); the prefetch thread's late
-results only warm the CPU tier. Exactly one side copies: whichever claims the load first
-(:meth:`PendingLoad.claim`); a background copy under way at the deadline is waited for (it
-is a memory copy of chunks the prefetch holds, never I/O).
+is ``timed_out``: a background copy is stopped (:meth:`PendingLoad.stop_copy` waits for the
+batch being copied, a memory copy of chunks the prefetch holds, never I/O) and what it
+copied is kept (``progress``); otherwise the load is copied as far as the CPU tier holds it.
+The prefetch thread's late results only warm the CPU tier. Exactly one side copies:
+whichever claims the load first (:meth:`PendingLoad.claim`).
 
 Blends (:meth:`AsyncLoads.start_blend`) run whole on one blend thread (one at a time), in
 ``torch.inference_mode``, writing into the request's blocks (no other request uses them
@@ -50,6 +52,10 @@ from lmcache.v1.state_entries import state_key
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLoads", "CopyResult", "PendingLoad"]
+
+Copier = Callable[[ReqMeta, int, int], torch.Tensor]
+"""Copies tokens ``[start, stop)`` of a request's load from the CPU tier into its blocks
+(prefetch thread); returns ``CacheEngine.retrieve``'s mask of the tokens written."""
 
 PREFETCH_THREADS = 2
 """Prefetches run at once (each waits on the tiers' own reader threads)."""
@@ -86,8 +92,12 @@ class PendingLoad:
     """Tokens copied into the request's blocks so far (the copy runs over several steps)."""
     copy: CopyResult | None = None
     """Set by the prefetch thread when it copied the load itself (before its future resolves)."""
+    progress: CopyResult | None = None
+    """What a background copy has written so far (its load cut to the tokens copied)."""
     _claimed: bool = False
+    _stopped: bool = False
     _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _copy_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def claim(self) -> bool:
         """Take the copy into the blocks: True for the first caller only (the prefetch
@@ -97,6 +107,21 @@ class PendingLoad:
                 return False
             self._claimed = True
             return True
+
+    def copy_part(self, copy: Callable[[], None]) -> bool:
+        """Prefetch thread: run ``copy`` (one batch into the blocks) unless the copy was
+        stopped; False when it was."""
+        with self._copy_lock:
+            if self._stopped:
+                return False
+            copy()
+            return True
+
+    def stop_copy(self) -> None:
+        """Worker thread, at the deadline: no background copy writes after this returns (a
+        batch being copied is waited for)."""
+        with self._copy_lock:
+            self._stopped = True
 
     def release(self) -> None:
         """Drop the prefetch's references (worker thread, once the copy is done). A prefetch
@@ -161,8 +186,8 @@ class AsyncLoads:
             old.release()
         self._pending[req.req_id] = pending
         try:
-            keys = self._keys(req)
-            pending.future = self._pool.submit(self._prefetch, keys, pending, copier)
+            keys, num_chunks = self._keys(req)
+            pending.future = self._pool.submit(self._prefetch, keys, num_chunks, pending, copier)
             pending.future.add_done_callback(self._wake)
         except Exception as exc:  # noqa: BLE001 - no prefetch: the copy takes what the CPU tier has
             self._log_once(logging.WARNING, "prefetch", "lmcache: prefetch of %s not started (%s: %s); loading "
@@ -188,31 +213,77 @@ class AsyncLoads:
             return
         self._settled.wait(timeout)
 
-    def _keys(self, req: ReqMeta) -> list[Any]:
+    def _keys(self, req: ReqMeta) -> tuple[list[Any], int]:
+        """The keys to prefetch: the load's chunks from ``num_local`` on (how many: the second
+        value), then a hybrid's recurrent-state entry, if any."""
         spec = req.load
         assert spec is not None
         pk = self.engine.prefix_keys(req.token_ids[: spec.load_len], **req.load_key_extras)
         first = spec.num_local // pk.chunk_size
         keys = list(pk.keys[first:])
+        num_chunks = len(keys)
         state = req.state_load
         if state is not None and 0 < state.boundary <= pk.num_tokens:  # a hybrid's recurrent state, last
             keys.append(state_key(pk.keys[state.boundary // pk.chunk_size - 1]))
-        return keys
+        return keys, num_chunks
 
     def _prefetch(
-        self, keys: list[Any], pending: PendingLoad, copier: Callable[[ReqMeta], CopyResult] | None
+        self, keys: list[Any], num_chunks: int, pending: PendingLoad, copier: Copier | None
     ) -> list[Any]:
-        """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held),
-        then, with a ``copier`` and the load not yet claimed, the copy into the blocks."""
+        """Prefetch thread: the chunks of ``keys`` into the CPU tier (one reference each, held);
+        with a ``copier`` and the load not claimed by the deadline, copied into the blocks as
+        they land (:meth:`_copy_as_read`)."""
         if self._closed.is_set():
             return []
-        objs = [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
-        if copier is not None and not self._closed.is_set() and pending.claim():
-            try:
-                pending.copy = copier(pending.req)
-            except Exception as exc:  # noqa: BLE001 - reported to the worker thread: a recompute
-                pending.copy = CopyResult(pending.req.load, error=exc)
+        if copier is None or not pending.claim():
+            return [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
+        objs: list[Any] = []
+        try:
+            self._copy_as_read(keys[:num_chunks], pending, copier, objs)
+        except Exception as exc:  # noqa: BLE001 - reported to the worker thread: a recompute
+            pending.copy_part(lambda: setattr(pending, "copy", CopyResult(pending.req.load, error=exc)))
+        if num_chunks < len(keys):  # the recurrent state, read for the worker thread's copy
+            objs += [o for o in self.engine.storage_manager.batched_get(keys[num_chunks:]) if o is not None]
         return objs
+
+    def _copy_as_read(self, keys: list[Any], pending: PendingLoad, copier: Copier, objs: list[Any]) -> None:
+        """Read the load's chunks (``keys``, from the chunk of ``num_local`` on) and copy each
+        batch into the blocks as soon as it lands, unless stopped; ``objs`` receives the objects
+        read (one reference each, held). Sets ``pending.copy`` when the copy ran to its end."""
+        req = pending.req
+        spec = req.load
+        assert spec is not None
+        c = self.engine.config.chunk_size
+        first = spec.num_local // c
+        written = torch.zeros(spec.load_len, dtype=torch.bool)
+        copied = spec.num_local
+
+        def copy_to(stop: int) -> None:
+            nonlocal copied
+            ret = copier(req, copied, stop)
+            written[: ret.shape[0]] |= ret[: spec.load_len]
+            copied = stop
+            pending.progress = CopyResult(LoadSpec(spec.num_local, spec.num_external, stop), written)
+
+        stream = self.engine.storage_manager.iter_prefix(keys)
+        try:
+            for batch in stream:
+                objs += batch
+                held = min(spec.end, (first + len(objs)) * c)
+                if held > copied and not pending.copy_part(lambda: copy_to(held)):
+                    return
+            if self._closed.is_set():
+                return
+            # every whole chunk landed: the tail of the load (a block-granular part of another
+            # entry, which no key here names) is copied with the last batch's rules
+            whole = len(objs) >= spec.load_len // c - first
+            stop = spec.end if whole else copied
+            if stop > copied and not pending.copy_part(lambda: copy_to(stop)):
+                return
+        finally:
+            stream.close()
+        done = CopyResult(spec if copied >= spec.end else LoadSpec(spec.num_local, spec.num_external, copied), written)
+        pending.copy_part(lambda: setattr(pending, "copy", done))
 
     def ready(self, now: float | None = None) -> list[PendingLoad]:
         """Loads to copy now (prefetch done, or past the deadline), removed from the pending set."""
@@ -220,8 +291,10 @@ class AsyncLoads:
         out = []
         for req_id, p in list(self._pending.items()):
             done = p.future is None or p.future.done()
-            # past the deadline, unless a background copy is under way (a bounded memory copy)
-            if done or (now >= p.deadline and not p.blend and p.claim()):
+            if done or (now >= p.deadline and not p.blend):
+                if not done:  # past the deadline: a background copy stops (after its batch in flight)
+                    p.claim()
+                    p.stop_copy()
                 p.timed_out = not done
                 out.append(p)
                 del self._pending[req_id]

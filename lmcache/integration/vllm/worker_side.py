@@ -359,18 +359,24 @@ class WorkerConnector:
             and caches[0].device.type == "cpu"
         )
 
-    def _copy_in_background(self, req: ReqMeta) -> CopyResult:
-        """Prefetch thread, after its reads: copy what the CPU tier holds of ``req``'s load into
-        its blocks (vLLM does not touch them while the request waits for its KV). Only the
-        chunks the prefetch holds are read (the load is cut at the first one it did not get),
-        so this does not wait on a lower tier, except for a block-granular tail of another
-        entry, which is not prefetched (docs/async_loading.md). The worker thread records the
-        result (:meth:`_record_copy`)."""
-        part = self._resident_part(req, keep_tail=True)
-        if part is None:
-            return CopyResult(None)
-        tokens, mask, kwargs = self._load_args(part)
-        return CopyResult(part.load, self.engine.retrieve(tokens, mask, **kwargs))
+    def _copy_in_background(self, req: ReqMeta, start: int, stop: int) -> torch.Tensor:
+        """Prefetch thread, as its reads land: copy tokens ``[start, stop)`` of ``req``'s load
+        into its blocks (vLLM does not touch them while the request waits for its KV). Only
+        chunks the CPU tier holds are read (the range is cut at the first one it does not
+        hold), so this does not wait on a lower tier, except for the load's last part: a
+        block-granular tail of another entry, which is not prefetched (docs/async_loading.md).
+        Returns ``CacheEngine.retrieve``'s mask; the worker thread records the whole copy
+        (:meth:`_record_copy`)."""
+        spec = req.load
+        assert spec is not None
+        held = self._resident_end(req)
+        if stop < spec.end or held < spec.load_len - spec.load_len % self.chunk_size:
+            stop = min(stop, held)
+        if stop <= start:
+            return torch.zeros(0, dtype=torch.bool)
+        part = LoadSpec(start, stop - start, spec.load_len if stop >= spec.end else stop)
+        tokens, mask, kwargs = self._load_args(replace(req, load=part))
+        return self.engine.retrieve(tokens, mask, **kwargs)
 
     def _record_copy(self, req: ReqMeta, result: CopyResult) -> None:
         """Worker thread: account for a load the prefetch thread copied (failed blocks, state)."""
@@ -477,13 +483,13 @@ class WorkerConnector:
         if pending.copy is not None:  # the prefetch thread copied it
             self._record_copy(req, pending.copy)
             return budget, True
+        if pending.timed_out and pending.progress is not None:  # a background copy, stopped at the deadline
+            self._async_timed_out(req)
+            self._record_copy(req, pending.progress)
+            return budget, True
         if pending.copied == 0 and pending.timed_out:  # only what the CPU tier holds: a frozen tier must not block
-            self.engine.stats.add(async_load_timeouts=1)
-            self.warn("async-timeout", "lmcache: asynchronous load of %s not done within async_load_timeout=%s s; "
-                      "loading what the CPU tier holds, recomputing the rest", req.req_id,
-                      self.engine.config.async_load_timeout)  # fmt: skip
-            self.engine.storage_manager.suspect_remote("an asynchronous load was not read within async_load_timeout")
-            part = self._resident_part(req, keep_tail=False)
+            self._async_timed_out(req)
+            part = self._resident_part(req)
             if part is None:
                 self._fail(req, spec.num_local, "async-miss", "lmcache: nothing of %s's hit in the CPU tier at its "
                            "deadline; recomputing", req.req_id)  # fmt: skip
@@ -502,24 +508,28 @@ class WorkerConnector:
         pending.copied = stop
         return budget - (stop - start), last
 
+    def _async_timed_out(self, req: ReqMeta) -> None:
+        """Account for an asynchronous load cut at ``async_load_timeout`` (logged once)."""
+        self.engine.stats.add(async_load_timeouts=1)
+        self.warn("async-timeout", "lmcache: asynchronous load of %s not done within async_load_timeout=%s s; "
+                  "loading what the CPU tier holds, recomputing the rest", req.req_id,
+                  self.engine.config.async_load_timeout)  # fmt: skip
+        self.engine.storage_manager.suspect_remote("an asynchronous load was not read within async_load_timeout")
+
     def _resident_end(self, req: ReqMeta) -> int:
         """Leading tokens of ``req``'s load whose whole chunks the CPU tier holds now."""
         assert req.load is not None
         pk = self.engine.prefix_keys(req.token_ids[: req.load.load_len], **req.load_key_extras)
         return self.engine.resident_prefix(pk, req.load.load_len)
 
-    def _resident_part(self, req: ReqMeta, *, keep_tail: bool) -> ReqMeta | None:
+    def _resident_part(self, req: ReqMeta) -> ReqMeta | None:
         """``req`` with its load cut to what the CPU tier holds now (the rest is then reported
-        failed by the copy's check), or None when that is nothing. ``keep_tail``: when every
-        whole chunk is held, keep the load's last partial part too (a block-granular tail of
-        another entry, which no prefetch reads) instead of cutting at the last whole chunk."""
+        failed by the copy's check), or None when that is nothing."""
         spec = req.load
         assert spec is not None
         held = self._resident_end(req)
         if held <= spec.num_local:
             return None
-        if keep_tail and held >= spec.load_len - spec.load_len % self.chunk_size:
-            return req
         return replace(req, load=LoadSpec(spec.num_local, spec.num_external, min(spec.load_len, held)))
 
     def close_async(self) -> None:

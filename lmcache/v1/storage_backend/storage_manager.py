@@ -294,6 +294,37 @@ class StorageManager:
             sources.extend(h[0] if h else Tier.UNKNOWN for h, o in zip(holders, out[n_l1:]) if o is not None)
         return out
 
+    def iter_prefix(self, keys: Sequence[CacheEngineKey]) -> Iterator[list[MemoryObj]]:
+        """:meth:`batched_get` as the reads land: yields the objects of the prefix of ``keys``
+        in order, in batches (the L1 prefix first, then each lower-tier read with those after it
+        that have landed too), one reference each for the caller, and stops at the first miss.
+        The lower tiers are read in parallel as in :meth:`batched_get`; a batch is yielded as
+        soon as its first read ends, so the caller can use it while the rest are read.
+        Closing the iterator early releases the objects of reads it did not yield when those
+        reads end; either way L1 sees the yielded prefix once at the end, as in :meth:`batched_get`."""
+        got: list[MemoryObj] = list(self.local_cpu.get_prefix(keys))
+        futures = [self._read_lower(k) for k in keys[len(got) :]]
+        taken, missed = 0, False
+        try:
+            if got:
+                yield list(got)
+            while taken < len(futures) and not missed:
+                batch: list[MemoryObj] = []
+                while taken < len(futures) and (not batch or futures[taken].done()):
+                    obj = _result_or_none(futures[taken])
+                    taken += 1
+                    if obj is None:  # a miss ends the prefix
+                        missed = True
+                        break
+                    batch.append(obj)
+                if batch:
+                    got += batch
+                    yield batch
+        finally:
+            for f in futures[taken:]:
+                f.add_done_callback(_release_result)
+            self.local_cpu.admit_sequence(keys[: len(got)], got)
+
     def get_non_blocking(self, key: CacheEngineKey, location: str | None = None) -> Future[MemoryObj | None]:
         """Future of :meth:`get`. Lower tiers are asked in order with their own
         non-blocking read (a miss is the read's answer: no separate existence round
@@ -558,6 +589,23 @@ class StorageManager:
         self._closed = True
         for backend in reversed(self.backends):
             backend.close()
+
+
+def _result_or_none(fut: Future) -> MemoryObj | None:
+    """A read's object, blocking until it ends; None for a miss, a failed or a cancelled read."""
+    try:
+        return fut.result()
+    except Exception:  # noqa: BLE001 - a failed read is a miss (the tier logged it)
+        return None
+
+
+def _release_result(fut: Future) -> None:
+    """Done-callback: drop the reference of a read nobody takes."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    obj = fut.result()
+    if obj is not None:
+        obj.ref_count_down()
 
 
 def _gather_prefix(futures: list[Future]) -> Future:
