@@ -196,6 +196,23 @@ def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied():
         loads.close()
 
 
+def test_a_hit_the_prefetch_finds_nowhere_is_reported_as_nothing_copied():
+    copies: list[tuple[int, int]] = []
+    engine = _Engine()
+    engine.gate.set()
+    engine.storage_manager.iter_prefix = lambda keys: (o for o in ())  # evicted everywhere since the lookup
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req(), _copier(copies))
+        (pending,) = loads._pending.values()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        assert copies == [] and ready.copy == CopyResult(None)
+        ready.release()
+    finally:
+        loads.close()
+
+
 def test_a_copier_that_raises_is_a_failed_load():
     def broken(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
         raise OSError("copy failed")

@@ -282,7 +282,12 @@ class AsyncLoads:
                 return
         finally:
             stream.close()
-        done = CopyResult(spec if copied >= spec.end else LoadSpec(spec.num_local, spec.num_external, copied), written)
+        if copied <= spec.num_local:
+            done = CopyResult(None)  # nothing of the hit was read
+        elif copied >= spec.end:
+            done = CopyResult(spec, written)
+        else:
+            done = CopyResult(LoadSpec(spec.num_local, spec.num_external, copied), written)
         pending.copy_part(lambda: setattr(pending, "copy", done))
 
     def ready(self, now: float | None = None) -> list[PendingLoad]:
