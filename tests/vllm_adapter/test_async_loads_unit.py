@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from lmcache.integration.vllm import async_loads
 from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
@@ -132,9 +133,10 @@ def _copier(copies: list[tuple[int, int]]):
     return copier
 
 
-def test_the_prefetch_thread_copies_each_batch_as_its_reads_land():
+def test_the_prefetch_thread_copies_each_batch_as_its_reads_land(monkeypatch):
     """With a copier (CPU KV) the prefetch thread copies the first chunk while the second is
     still being read, then the second; the worker only records the result."""
+    monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", CHUNK)  # a copy per chunk
     copies: list[tuple[int, int]] = []
     engine = _Engine()
     engine.gate2.clear()
@@ -156,10 +158,27 @@ def test_the_prefetch_thread_copies_each_batch_as_its_reads_land():
     finally:
         loads.close()
 
+    # batches shorter than BACKGROUND_COPY_TOKENS wait for the next ones (one copy call each)
+    monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", 2 * CHUNK)
+    copies.clear()
+    engine = _Engine()
+    engine.gate.set()
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req(), _copier(copies))
+        (pending,) = loads._pending.values()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        assert copies == [(0, 2 * CHUNK)] and ready.copy.load == ready.req.load
+        ready.release()
+    finally:
+        loads.close()
 
-def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied():
+
+def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied(monkeypatch):
     """Past the deadline the prefetch thread copies nothing more: the worker takes the part
     copied so far (the rest is recomputed), never waits for the reads."""
+    monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", CHUNK)  # a copy per chunk
     copies: list[tuple[int, int]] = []
     engine = _Engine()
     engine.gate2.clear()
@@ -232,9 +251,10 @@ def test_a_copier_that_raises_is_a_failed_load():
         loads.close()
 
 
-def test_the_deadline_waits_for_the_batch_being_copied():
+def test_the_deadline_waits_for_the_batch_being_copied(monkeypatch):
     """A batch the prefetch thread is copying at the deadline is finished (a memory copy),
     then nothing more is copied."""
+    monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", CHUNK)  # a copy per chunk
     started, finish = threading.Event(), threading.Event()
 
     def copier(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
