@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from lmcache.integration.vllm import async_loads
-from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult
+from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult, PendingLoad
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
 
@@ -123,31 +125,55 @@ def test_a_load_is_ready_when_prefetched_or_at_its_deadline_and_releases_its_ref
         loads.close()
 
 
-def _copier(copies: list[tuple[int, int]]):
+def _copier(copies: list[tuple[int, int]], copied: threading.Event | None = None):
     def copier(req: ReqMeta, start: int, stop: int) -> torch.Tensor:
         copies.append((start, stop))
         written = torch.zeros(stop, dtype=torch.bool)
         written[start:stop] = True
+        if copied is not None:
+            copied.set()
         return written
 
     return copier
+
+
+@contextmanager
+def _settled_load(engine: _Engine, copier) -> Iterator[PendingLoad]:
+    """A load with ``copier`` whose reads are not held back, once its prefetch has ended
+    (released afterwards)."""
+    engine.gate.set()
+    loads = AsyncLoads(engine, timeout=5.0)
+    try:
+        loads.start(_req(), copier)
+        (pending,) = loads._pending.values()
+        pending.future.result(5)
+        (ready,) = loads.ready()
+        yield ready
+        ready.release()
+    finally:
+        loads.close()
+
+
+def _first_chunk_copied(timeout: float) -> tuple[_Engine, AsyncLoads, list[tuple[int, int]]]:
+    """A load whose first chunk was copied while its second is still being read."""
+    copies: list[tuple[int, int]] = []
+    copied = threading.Event()
+    engine = _Engine()
+    engine.gate2.clear()
+    loads = AsyncLoads(engine, timeout=timeout)
+    loads.start(_req(), _copier(copies, copied))
+    engine.gate.set()
+    assert copied.wait(5)
+    return engine, loads, copies
 
 
 def test_the_prefetch_thread_copies_each_batch_as_its_reads_land(monkeypatch):
     """With a copier (CPU KV) the prefetch thread copies the first chunk while the second is
     still being read, then the second; the worker only records the result."""
     monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", CHUNK)  # a copy per chunk
-    copies: list[tuple[int, int]] = []
-    engine = _Engine()
-    engine.gate2.clear()
-    loads = AsyncLoads(engine, timeout=5.0)
+    engine, loads, copies = _first_chunk_copied(timeout=5.0)
     try:
-        loads.start(_req(), _copier(copies))
         (pending,) = loads._pending.values()
-        engine.gate.set()
-        deadline = time.monotonic() + 5
-        while not copies and time.monotonic() < deadline:
-            time.sleep(0.005)
         assert copies == [(0, CHUNK)] and not pending.future.done()  # copied while chunk 2 is read
         engine.gate2.set()
         pending.future.result(5)
@@ -161,35 +187,17 @@ def test_the_prefetch_thread_copies_each_batch_as_its_reads_land(monkeypatch):
     # batches shorter than BACKGROUND_COPY_TOKENS wait for the next ones (one copy call each)
     monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", 2 * CHUNK)
     copies.clear()
-    engine = _Engine()
-    engine.gate.set()
-    loads = AsyncLoads(engine, timeout=5.0)
-    try:
-        loads.start(_req(), _copier(copies))
-        (pending,) = loads._pending.values()
-        pending.future.result(5)
-        (ready,) = loads.ready()
+    with _settled_load(_Engine(), _copier(copies)) as ready:
         assert copies == [(0, 2 * CHUNK)] and ready.copy.load == ready.req.load
-        ready.release()
-    finally:
-        loads.close()
 
 
 def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied(monkeypatch):
     """Past the deadline the prefetch thread copies nothing more: the worker takes the part
     copied so far (the rest is recomputed), never waits for the reads."""
     monkeypatch.setattr(async_loads, "BACKGROUND_COPY_TOKENS", CHUNK)  # a copy per chunk
-    copies: list[tuple[int, int]] = []
-    engine = _Engine()
-    engine.gate2.clear()
-    loads = AsyncLoads(engine, timeout=0.5)
+    engine, loads, copies = _first_chunk_copied(timeout=0.5)
     try:
-        loads.start(_req(), _copier(copies))
         (pending,) = loads._pending.values()
-        engine.gate.set()
-        deadline = time.monotonic() + 5
-        while pending.progress is None and time.monotonic() < deadline:
-            time.sleep(0.005)
         (ready,) = loads.ready(now=pending.deadline)  # the second chunk is still being read
         assert ready.timed_out and ready.copy is None
         assert ready.progress.load == LoadSpec(0, 32, CHUNK) and ready.progress.written[:CHUNK].all()
@@ -218,18 +226,9 @@ def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied(monkeypat
 def test_a_hit_the_prefetch_finds_nowhere_is_reported_as_nothing_copied():
     copies: list[tuple[int, int]] = []
     engine = _Engine()
-    engine.gate.set()
     engine.storage_manager.iter_prefix = lambda keys: (o for o in ())  # evicted everywhere since the lookup
-    loads = AsyncLoads(engine, timeout=5.0)
-    try:
-        loads.start(_req(), _copier(copies))
-        (pending,) = loads._pending.values()
-        pending.future.result(5)
-        (ready,) = loads.ready()
+    with _settled_load(engine, _copier(copies)) as ready:
         assert copies == [] and ready.copy == CopyResult(None)
-        ready.release()
-    finally:
-        loads.close()
 
 
 def test_a_copier_that_raises_is_a_failed_load():
@@ -237,18 +236,9 @@ def test_a_copier_that_raises_is_a_failed_load():
         raise OSError("copy failed")
 
     engine = _Engine()
-    engine.gate.set()
-    loads = AsyncLoads(engine, timeout=5.0)
-    try:
-        loads.start(_req(), broken)
-        (pending,) = loads._pending.values()
-        pending.future.result(5)
-        (ready,) = loads.ready()
+    with _settled_load(engine, broken) as ready:
         assert isinstance(ready.copy.error, OSError) and ready.copy.load == ready.req.load
-        ready.release()
-        assert [o.refs for o in engine.objs] == [0, 0]
-    finally:
-        loads.close()
+    assert [o.refs for o in engine.objs] == [0, 0]
 
 
 def test_the_deadline_waits_for_the_batch_being_copied(monkeypatch):
