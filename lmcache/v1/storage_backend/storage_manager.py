@@ -301,7 +301,8 @@ class StorageManager:
         The lower tiers are read in parallel as in :meth:`batched_get`; a batch is yielded as
         soon as its first read ends, so the caller can use it while the rest are read.
         Closing the iterator early releases the objects of reads it did not yield when those
-        reads end; either way L1 sees the yielded prefix once at the end, as in :meth:`batched_get`."""
+        reads end; either way L1 sees the yielded prefix once at the end, as in :meth:`batched_get`,
+        so the caller holds the yielded objects at least until the iterator is exhausted or closed."""
         got: list[MemoryObj] = list(self.local_cpu.get_prefix(keys))
         futures = [self._read_lower(k) for k in keys[len(got) :]]
         taken, missed = 0, False
