@@ -11,8 +11,8 @@ full prefill. CacheBlend recomputes only the tokens whose KV deviates most:
    L2 distance between its fresh and its cached K and V. The reused tokens with the largest
    deviation, as many as bring the recomputed share of the documents' tokens to ``ratio``
    (each document's first word, recomputed anyway, counts towards it), every token without
-   cached KV (new text, separators) and the last token stay *selected*; the others keep the check layer's fresh
-   KV there and their cached KV from the next layer on. The check layer's attention and MLP
+   cached KV (new text, separators) and the last token stay *selected*; the others keep the
+   check layer's fresh KV there and their cached KV from the next layer on. The check layer's attention and MLP
    already run for the selected tokens only (a token's output depends on the others only
    through their KV, which every token has at that point).
 3. Each following layer computes q/k/v, attention and the MLP for the selected tokens only;
