@@ -375,3 +375,39 @@ def test_a_loaded_request_preempted_later_is_offered_its_hit_again():
     planner.build(sched_output(new=[("s", list(range(20, 29)), 64)], num_scheduled={"s": 6}))  # loaded: scheduled
     assert planner.offer(req, 0, 64) == 64  # preempted and back: loaded again
     assert planner.counters["failed_async_loads"] == 0
+
+
+def test_the_worker_keeps_what_a_stopped_background_copy_wrote_and_recomputes_the_rest():
+    """A real engine and KV layout: the prefetch thread copied the first chunk of a load
+    when the deadline stopped it; the worker keeps that chunk's KV (equal to the stored
+    one), reports the rest's blocks as failed loads and counts one timeout."""
+    from lmcache.integration.vllm.async_loads import PendingLoad
+    from lmcache.integration.vllm.worker_side import WorkerConnector
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.testing import KVSpec, make_engine, random_kv_caches
+
+    spec = KVSpec(num_layers=2, num_heads=2, head_size=8, num_blocks=16, block_size=BLOCK)
+    cfg = LMCacheEngineConfig.from_dict({"chunk_size": CHUNK, "max_local_cpu_size": 0.05,
+                                         "enable_async_loading": True, "async_load_timeout": 1.0})  # fmt: skip
+    engine = make_engine(spec, cfg)
+    source, target = random_kv_caches(spec, seed=1), [torch.zeros_like(t) for t in random_kv_caches(spec)]
+    n = 3 * CHUNK
+    tokens = np.arange(500, 500 + n, dtype=np.int64)
+    slots = np.arange(n, dtype=np.int64)  # blocks 0..5, in order
+    engine.store(torch.as_tensor(tokens), kvcaches=source, slot_mapping=torch.as_tensor(slots))
+    worker = WorkerConnector(engine, layerwise=False)
+    worker.register_kv_caches({f"model.layers.{i}.attn": t for i, t in enumerate(target)})
+    try:
+        req = ReqMeta("r", tokens, slots, BLOCK, LoadSpec(0, n, n), load_async=True)
+        written = worker._copy_in_background(req, 0, CHUNK)  # what the prefetch thread did first
+        pending = PendingLoad(req, 0.0, 0.0, timed_out=True)
+        pending.progress = CopyResult(LoadSpec(0, n, CHUNK), written)
+        worker._copy_async(pending, budget=0)
+        assert worker.take_load_errors() == {2, 3, 4, 5}  # the blocks after the first chunk
+        assert engine.stats.snapshot()["async_load_timeouts"] == 1
+        for src, dst in zip(source, target):  # vllm_cpu layout: [blocks, heads, block, 2 * head]
+            torch.testing.assert_close(dst[:2], src[:2], rtol=0, atol=0)
+            assert not bool(dst[2:6].any())
+    finally:
+        worker.close_async()
+        engine.close()
