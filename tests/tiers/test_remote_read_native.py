@@ -123,3 +123,75 @@ def test_the_native_reader_refuses_bad_arguments():
         _sockread.recv_exact(-1, bytearray(4), 1.0)
     a.close()
     b.close()
+
+
+_ASAN_DRIVER = """
+import importlib.util, random, socket, sys, threading
+spec = importlib.util.spec_from_file_location("_sockread", sys.argv[1])
+sr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sr)
+rnd = random.Random(int(sys.argv[2]))
+for _ in range(int(sys.argv[3])):
+    a, b = socket.socketpair()
+    a.settimeout(5.0)
+    size = rnd.choice([0, 1, 7, 4096, 65_537, rnd.randrange(1, 3_000_000)])
+    send = rnd.randrange(0, size + 1) if rnd.random() < 0.3 else size  # sometimes closed early
+    data = rnd.randbytes(send)
+    after = rnd.randbytes(64) if send == size else b""  # the reply's next bytes: not the reader's
+    backing = bytearray(size + 32)  # the destination is a slice: nothing outside it may change
+    view = memoryview(backing)[16 : 16 + size]
+    def writer():
+        for i in range(0, len(data), 200_003):
+            b.sendall(data[i : i + 200_003])
+        b.sendall(after)
+        b.close()
+    t = threading.Thread(target=writer)
+    t.start()
+    got = sr.recv_exact(a.fileno(), view, 5.0)
+    t.join()
+    assert got == send, (got, send, size)
+    assert bytes(backing[16 : 16 + send]) == data
+    assert backing[:16] == bytearray(16) and backing[16 + size :] == bytearray(16)
+    rest = b""
+    while len(rest) < len(after):
+        rest += a.recv(4096)
+    assert rest == after
+    a.close()
+try:
+    sr.recv_exact(-1, bytearray(4), 1.0)
+except OSError:
+    pass
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_asan_ubsan_build_of_the_native_reader(tmp_path):
+    """csrc/sockread.c built with AddressSanitizer and UBSan, driven over socket pairs with
+    random sizes, early closes and a slice of a larger buffer: the bytes read are the bytes
+    sent, nothing outside the destination is written, and the bytes after it stay in the socket."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    from tests.native_build import REPO, child_env
+
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
+    libasan = found.stdout.strip()
+    if not os.path.isabs(libasan) or not os.path.exists(libasan):
+        pytest.skip("libasan is not available")
+    lib = tmp_path / "_sockread_asan.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-g", "-std=c11", "-Wall", "-fsanitize=address,undefined",
+                    "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                    f"-I{sysconfig.get_paths()['include']}", str(REPO / "csrc" / "sockread.c"), "-o", str(lib)],
+                   check=True, capture_output=True, text=True)  # fmt: skip
+    env = child_env(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
+                    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", _ASAN_DRIVER, str(lib), "11", "60"], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout + out.stderr)[-4000:]
