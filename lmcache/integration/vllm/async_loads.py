@@ -60,7 +60,7 @@ Copier = Callable[[ReqMeta, int, int], torch.Tensor]
 BACKGROUND_COPY_TOKENS = 1024
 """Least tokens a background copy writes at once while reads are still landing (each copy
 call costs ~1.5 ms besides the bytes: 16 calls of one 256-token chunk take 2.7x one call of
-4096 tokens, 4 calls of 1024 take 1.05x); the last part may be shorter."""
+4096 tokens, 4 calls of 1024 take 1.08x); the last part may be shorter."""
 
 PREFETCH_THREADS = 2
 """Prefetches run at once (each waits on the tiers' own reader threads)."""
