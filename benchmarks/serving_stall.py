@@ -103,6 +103,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--cpu-tier-gib", type=float, default=1.0, help="stall: lmcache CPU tier GiB (1)")
     group.add_argument("--settle", type=float, default=1.5,
                        help="stall: seconds of quiet between measured runs (vLLM's worker spins ~1 s after a step)")
+    group.add_argument("--vllm-prefix-pairs", type=int, default=3,
+                       help="stall: pairs on a plain vLLM server whose own prefix cache holds the loader (the floor "
+                            "of the target: nothing to load at all; 0 skips it; default 3)")
     group.add_argument("--async-loading", choices=("off", "on", "both"), default="off",
                        help="stall: enable_async_loading in the lmcache config; both: a server for each, off first")
 
@@ -140,6 +143,7 @@ class LoaderSend:
     retrieve_ms: float = 0.0  # lmcache's retrieve time in the worker during the send
     lookup_ms: float = 0.0
     async_loads: float = 0.0  # loads lmcache ran asynchronously (enable_async_loading) during the send
+    prefetch_remote: float = 0.0  # tokens an asynchronous load's prefetch read from Redis during the send
 
     @property
     def ttft(self) -> float:
@@ -190,6 +194,32 @@ class SettingResult:
     warm: list[LoaderSend] = field(default_factory=list)
     fresh: list[LoaderSend] = field(default_factory=list)
     load_errors: float = 0.0
+
+
+@dataclass(slots=True)
+class PrefixReference:
+    """The loader served by vLLM's own prefix cache (no connector): what any cache costs the
+    streamers when the prompt's KV needs no load at all."""
+
+    start_s: float
+    store: LoaderSend
+    pairs: list[PairResult] = field(default_factory=list)
+
+    def window_p99_ratio(self) -> float:
+        base = [g for p in self.pairs for g in p.baseline]
+        return pct_ms([g for p in self.pairs for g in p.window], 99) / pct_ms(base, 99)
+
+    def line(self) -> str:
+        base = [g for p in self.pairs for g in p.baseline]
+        window = [g for p in self.pairs for g in p.window]
+        stall = float(np.median([max(p.window, default=0.0) for p in self.pairs])) * 1e3
+        ttft = float(np.median([p.loader.ttft for p in self.pairs]))
+        cached = "/".join(str(p.loader.cached_tokens) for p in self.pairs)
+        return (f"vLLM's own prefix cache holding the loader (no connector, {len(self.pairs)} pairs): baseline ITL "
+                f"p50 {pct_ms(base, 50):.1f} p99 {pct_ms(base, 99):.1f} ms; load window p99 "
+                f"{pct_ms(window, 99):.1f} ms = {self.window_p99_ratio():.2f}x the baseline p99, longest gap per "
+                f"send p50 {stall:.0f} ms; loader TTFT p50 {ttft:.3f} s (cached {cached} of "
+                f"{self.store.prompt_tokens} tokens)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -296,6 +326,7 @@ def counters(server: OpenAIServer) -> dict[str, float]:
     out["load_errors"] = metric_value(text, "lmcache_load_errors_total")
     out["async_loads"] = metric_value(text, "lmcache_async_loads_total")
     out["stored_tokens"] = metric_value(text, "lmcache_stored_tokens_total")
+    out["prefetch_remote"] = metric_value(text, "lmcache_prefetch_tokens_total", tier="remote")
     return out
 
 
@@ -470,6 +501,7 @@ def record_counters(send: LoaderSend, delta: dict[str, float]) -> None:
     send.retrieve_ms = delta["retrieve_s"] * 1e3
     send.lookup_ms = delta["lookup_s"] * 1e3
     send.async_loads = delta["async_loads"]
+    send.prefetch_remote = delta["prefetch_remote"]
 
 
 def run_streamers(client: Any, model: str, args: argparse.Namespace, progress: Progress | None,
@@ -604,6 +636,49 @@ def measure(result: SettingResult, server: OpenAIServer, client: Any, admin: Adm
             print(f"    {kind}: " + "; ".join(send_line(s) for s in sends), flush=True)
 
 
+def prefix_reference(model_dir: Path, ids: list[int], args: argparse.Namespace, root: Path) -> PrefixReference:
+    """``--vllm-prefix-pairs`` pairs on a plain vLLM server (same flags, prefix caching on, no
+    connector) after one send that put the loader in vLLM's prefix cache."""
+    import openai
+
+    workdir = Path(tempfile.mkdtemp(prefix="stall-vllm-prefix-", dir=root))
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    if args.reserved_cpus >= 0:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
+    extra = ["--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(args.block_size),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-prefix-caching"]  # fmt: skip
+    server = OpenAIServer(str(model_dir), None, workdir / "server.log", env=env, extra_args=extra)
+    t0 = time.perf_counter()
+    try:
+        server.start(timeout=args.start_timeout)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=1800)
+        stream_chat(client, server.model, 0, 4, None)  # first-step costs, not timed
+        ref = PrefixReference(time.perf_counter() - t0, send_prompt(client, server.model, ids, "store"))
+        for p in range(args.vllm_prefix_pairs):
+            time.sleep(args.settle)
+            base = baseline_run(client, server.model, args)
+            time.sleep(args.settle)
+            progress = Progress(args.load_after, args.streamers)
+            with ThreadPoolExecutor(args.streamers) as pool:
+                futures = run_streamers(client, server.model, args, progress, pool)
+                reached = progress.wait(timeout=600)
+                loader = send_prompt(client, server.model, ids, "warm")
+                traces = [f.result() for f in futures]
+            window = [g for t in traces for g in t.gaps_within(loader.sent, loader.first)]
+            pair = PairResult(base, steady_gaps(traces), window, loader, reached)
+            ref.pairs.append(pair)
+            print(f"    vllm-prefix pair {p + 1}: baseline ITL p99 {pct_ms(base, 99):.1f} ms | window "
+                  f"{len(window)} gaps p99 {pct_ms(window, 99):.0f} max {max(window, default=0) * 1e3:.0f} ms | "
+                  f"loader TTFT {loader.ttft:.3f} s, cached {loader.cached_tokens}/{loader.prompt_tokens}",
+                  flush=True)  # fmt: skip
+        return ref
+    except Exception:
+        print(f"  [vllm-prefix] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        raise
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------ statistics
 def pct_ms(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=float), q)) * 1e3 if values else float("nan")
@@ -613,12 +688,17 @@ def send_line(s: LoaderSend) -> str:
     hits = "/".join(f"{s.hits.get(str(t), 0):.0f}" for t in TIERS)
     where = "" if s.cpu_before is None else f", before: cpu {s.cpu_before} remote {s.remote_before}"
     return (f"TTFT {s.ttft:.3f} s, cached {s.cached_tokens}/{s.prompt_tokens}, hits cpu/disk/remote {hits}, "
-            f"retrieve {s.retrieve_ms:.0f} ms, async loads {s.async_loads:.0f}{where}")  # fmt: skip
+            f"retrieve {s.retrieve_ms:.0f} ms, async loads {s.async_loads:.0f} (prefetched from Redis "
+            f"{s.prefetch_remote:.0f}){where}")  # fmt: skip
 
 
 def cold_ok(s: LoaderSend) -> bool:
-    """The send found nothing in the CPU tier beforehand and loaded every hit from Redis."""
-    return s.cpu_before == 0 and (s.remote_before or 0) > 0 and s.came_from("remote")
+    """The send found nothing in the CPU tier beforehand and loaded every hit from Redis (an
+    asynchronous load: its prefetch read every hit token from Redis, and the copy then read them
+    from the CPU tier, where lmcache counts the hit)."""
+    if s.cpu_before != 0 or (s.remote_before or 0) <= 0:
+        return False
+    return s.came_from("remote") or (s.came_from("cpu") and s.prefetch_remote >= s.hits["cpu"])
 
 
 def pair_line(p: PairResult, streamers: int) -> str:
@@ -751,9 +831,10 @@ def markdown_table(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def verdict(s: Summary) -> str:
+def verdict(s: Summary, ref: PrefixReference | None = None) -> str:
     """The target on all the loaded runs' gaps and on those of the load window alone (with one load
-    per run, ~1% of the gaps: the overall p99 can pass while every streamer froze during the load)."""
+    per run, ~1% of the gaps: the overall p99 can pass while every streamer froze during the load);
+    ``ref``: the same window on vLLM's own prefix cache, the target's floor on this machine."""
 
     def met(x: float) -> str:
         return "met" if x <= TARGET_P99_RATIO else "NOT met"
@@ -762,7 +843,9 @@ def verdict(s: Summary) -> str:
             f"{s.p99_ratio:.2f}x {met(s.p99_ratio)}; gaps in the load window {s.window_p99_ratio:.2f}x "
             f"{met(s.window_p99_ratio)} (longest gap per load p50 {s.stall_p50_ms:.0f} ms, ITL p50 "
             f"{s.itl_p50_base_ms:.0f} ms); the same window with the loader warm in the CPU tier (its own step, "
-            f"nothing read) {s.warm_window_p99_ms / s.itl_p99_base_ms:.2f}x, cold / warm {s.window_p99_vs_warm:.2f}x")  # fmt: skip
+            f"nothing read) {s.warm_window_p99_ms / s.itl_p99_base_ms:.2f}x, cold / warm {s.window_p99_vs_warm:.2f}x"
+            + ("" if ref is None or not ref.pairs else f"; vLLM's own prefix cache, nothing to load: "
+               f"{ref.window_p99_ratio():.2f}x"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ main
@@ -774,6 +857,8 @@ def settings(choice: str) -> list[tuple[str, bool]]:
 def check_args(args: argparse.Namespace) -> str | None:
     if args.pairs < 1 or args.streamers < 1 or args.load_after < 1:
         return "--pairs, --streamers and --load-after must be >= 1"
+    if args.vllm_prefix_pairs < 0:
+        return "--vllm-prefix-pairs must be >= 0"
     if args.stream_tokens <= args.load_after + 1:
         return "--stream-tokens must exceed --load-after + 1"
     if not args.chunk_size <= args.loader_tokens <= MAX_MODEL_LEN - 64:
@@ -805,6 +890,7 @@ def main(args: argparse.Namespace) -> int:
           f"tokens after {args.load_after} chunks, {args.pairs} pairs; CPU tier {args.cpu_tier_gib} GiB + Redis, "
           f"chunk {args.chunk_size}", flush=True)  # fmt: skip
     results: list[SettingResult] = []
+    ref: PrefixReference | None = None
     root = Path(tempfile.mkdtemp(prefix="lmcache-bench-stall-"))
     t_all = time.perf_counter()
     try:
@@ -816,6 +902,11 @@ def main(args: argparse.Namespace) -> int:
                 print(f"  [{name}] FAILED after {time.perf_counter() - t0:.0f} s: {exc!r}", flush=True)
                 continue
             print(f"  [{name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.vllm_prefix_pairs:
+            try:
+                ref = prefix_reference(model_dir, prompts[0], args, root)
+            except Exception as exc:  # the reference is context; the settings' numbers stand without it
+                print(f"  [vllm-prefix] FAILED: {exc!r}", flush=True)
     finally:
         if args.keep_workdir:
             print(f"work directory kept: {root}")
@@ -831,8 +922,10 @@ def main(args: argparse.Namespace) -> int:
     load_end = os.getloadavg()
     print(f"load average at start {load_start[0]:.2f}, at the end {load_end[0]:.2f}; total "
           f"{time.perf_counter() - t_all:.0f} s; lmcache load errors {sum(r.load_errors for r in results):.0f}")
+    if ref is not None:
+        print(ref.line())
     for s in rows:
-        print(verdict(s))
+        print(verdict(s, ref))
     if args.json is not None:
         payload = {
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -840,6 +933,7 @@ def main(args: argparse.Namespace) -> int:
             "load_end": load_end,
             "results": [asdict(r) for r in results],
             "summary": [asdict(s) for s in rows],
+            "vllm_prefix": asdict(ref) if ref is not None else None,
         }
         args.json.write_text(json.dumps(payload, indent=1))
         print(f"results written to {args.json}")

@@ -248,6 +248,20 @@ METRICS: tuple[MetricDef, ...] = (
         "blend_stored_segment_tokens",
     ),
     _c("lmcache_async_loads", "Hits loaded asynchronously while other requests ran.", "async_loads"),
+    MetricDef(
+        "lmcache_async_loads_in_flight",
+        GAUGE,
+        "Asynchronous loads (and blends) started and not yet handed back to vLLM.",
+        None,
+        (("", ("async_loads_in_flight",)),),
+    ),
+    _by_tier(
+        "lmcache_prefetch_tokens",
+        COUNTER,
+        "Tokens of asynchronous loads the prefetch read from disk or Redis into the CPU tier (their "
+        "hits count as tier cpu in lmcache_hit_tokens: the copy reads them there).",
+        {Tier.DISK: "prefetch_tokens_disk", Tier.REMOTE: "prefetch_tokens_remote"},
+    ),
     _c(
         "lmcache_async_load_timeouts",
         "Asynchronous loads past async_load_timeout (what the CPU tier did not hold was recomputed).",

@@ -26,7 +26,8 @@ Keys (all numbers; counters only grow):
   (:func:`ec_snapshot`);
 * gauges: ``pool_used_bytes_{cpu,disk}``, ``pool_capacity_bytes_{cpu,disk}``,
   ``hidden_pool_used_bytes``, ``hidden_pool_capacity_bytes``, ``remote_available``
-  (1 = reachable, 0 = breaker open or disabled; absent without a remote tier).
+  (1 = reachable, 0 = breaker open or disabled; absent without a remote tier),
+  ``async_loads_in_flight`` (asynchronous loads started and not yet reported to vLLM).
 
 Thread-safety: any thread; each counter set is read under its own lock (the sets are
 not read atomically together, which is fine for monitoring).
@@ -51,6 +52,7 @@ GAUGE_KEYS = frozenset(
         "hidden_pool_used_bytes",
         "hidden_pool_capacity_bytes",
         "remote_available",
+        "async_loads_in_flight",
     }
 )
 """Snapshot keys that are current values, not counters."""
@@ -76,6 +78,8 @@ PER_REQUEST_KEYS = frozenset(
         "blend_requests",
         "blend_reused_tokens",
         "blend_recomputed_tokens",
+        "prefetch_tokens_disk",
+        "prefetch_tokens_remote",
     }
 )
 EC_PREFIX = "ec_"
@@ -91,6 +95,8 @@ pool sizes) is per shard and summed."""
 def engine_snapshot(engine: LMCacheEngine) -> dict[str, float]:
     """Every counter and gauge of ``engine`` (see the module docstring for the keys)."""
     out: dict[str, float] = dict(engine.stats.snapshot())
+    if "async_loads_settled" in out:
+        out["async_loads_in_flight"] = out["async_loads"] - out["async_loads_settled"]
     latency = getattr(engine, "latency", None) or {}
     for op, hist in latency.items():
         out.update(hist.snapshot(f"{op}_seconds"))

@@ -72,6 +72,14 @@ class CacheStats(Counters):
     """Tokens of blended prompts stored as blend results (for the same prompt sent again)."""
     async_loads: int = 0
     """Hits loaded asynchronously (prefetched into the CPU tier while other requests ran)."""
+    async_loads_settled: int = 0
+    """Asynchronous loads (and blends) reported to vLLM as done, loaded or failed: the
+    snapshot's ``async_loads_in_flight`` is ``async_loads`` minus this."""
+    prefetch_tokens_disk: int = 0
+    """Tokens of asynchronous loads the prefetch read from the disk tier into the CPU tier
+    (their hits then count as ``hit_tokens_cpu``: the copy reads them there)."""
+    prefetch_tokens_remote: int = 0
+    """Likewise, read from the remote tier."""
     async_load_timeouts: int = 0
     """Asynchronous loads not prefetched within ``async_load_timeout`` (the rest recomputed)."""
     async_background_copies: int = 0

@@ -9,6 +9,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import ALIGN, MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StorageBackend
 from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.tiers import Tier
 
 KEY = CacheEngineKey("m", 1, 0, 7, "uint8")
 
@@ -194,9 +195,11 @@ def test_iter_prefix_yields_what_batched_get_returns_in_order_and_stops_at_a_mis
         if i != 3:  # key 3 missing: the prefix is 0..2
             disk.data[k] = bytes([i]) * ALIGN
     sm.get(keys[0]).ref_count_down()  # key 0 promoted into L1
-    batches = list(sm.iter_prefix(keys))
+    tiers: list[Tier] = []
+    batches = list(sm.iter_prefix(keys, sources=tiers))
     objs = [o for b in batches for o in b]
     assert [int(o.byte_array[0]) for o in objs] == [0, 1, 2]
+    assert tiers == [Tier.CPU, disk.tier, disk.tier]  # where each yielded object was found
     assert len(batches[0]) == 1  # the L1 prefix (key 0) comes first, on its own
     assert list(sm.local_cpu.policy.victims())[-1] == keys[0]  # the head is the most recent
     for o in objs:

@@ -47,6 +47,12 @@ def test_hits_only_in_redis_load_asynchronously_with_identical_outputs(tiny_llam
     assert delta(rounds, "async_background_copies") == (loads if background else 0)
     assert delta(rounds, "async_load_timeouts") == 0 and delta(rounds, "load_errors") == 0
     assert delta(rounds, "hit_tokens") >= sum(len(p) // CHUNK * CHUNK for p in prompts)  # and whole blocks
+    # the prefetches read from Redis (the shared prefix once: later loads find it in the CPU
+    # tier), whole chunks of the hits; nothing is left in flight once the round is over
+    prefetched = delta(rounds, "prefetch_tokens_remote")
+    assert prefetched >= len(prompts[0]) // CHUNK * CHUNK and prefetched % CHUNK == 0
+    assert prefetched <= delta(rounds, "hit_tokens") + CHUNK * len(prompts)
+    assert rounds[1]["stats"]["async_loads_in_flight"] == 0
 
 
 def test_a_hit_in_the_cpu_tier_loads_in_the_step(tiny_llama_dir, redis_server):

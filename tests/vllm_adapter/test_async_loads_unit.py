@@ -16,6 +16,8 @@ from lmcache.integration.vllm import async_loads
 from lmcache.integration.vllm.async_loads import AsyncLoads, CopyResult, PendingLoad
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.integration.vllm.request_tracker import PlannerConfig, RequestPlanner
+from lmcache.v1.stats import CacheStats
+from lmcache.v1.tiers import Tier
 
 from tests.vllm_adapter.test_vllm_connector_unit import FakeRequest, sched_output
 
@@ -79,22 +81,30 @@ class _Engine:
         self.gate2.set()
         self.objs = [_Obj(), _Obj()]
         self.config = SimpleNamespace(chunk_size=CHUNK)
+        self.stats = CacheStats()
         self.storage_manager = SimpleNamespace(batched_get=self._get, iter_prefix=self._iter)
 
     def prefix_keys(self, tokens, **extras):
         return SimpleNamespace(chunk_size=CHUNK, keys=[f"k{i}" for i in range(-(-len(tokens) // CHUNK))])
 
-    def _get(self, keys):
+    def _get(self, keys, sources=None):
         self.gate.wait(10)
-        return self.objs[: len(keys)]
+        out = self.objs[: len(keys)]
+        if sources is not None:
+            sources.extend(Tier.REMOTE for _ in out)
+        return out
 
-    def _iter(self, keys):
+    def _iter(self, keys, sources=None):
         self.gate.wait(10)
         rest = self.objs[1 : len(keys)]
         try:
+            if sources is not None:  # the first chunk was in the CPU tier, the second came from Redis
+                sources.append(Tier.CPU)
             yield self.objs[:1]
             self.gate2.wait(10)
             out, rest = rest, []
+            if sources is not None:
+                sources.extend(Tier.REMOTE for _ in out)
             yield out
         finally:  # closed early: the reads not yielded are released (as iter_prefix does)
             for obj in rest:
@@ -117,6 +127,7 @@ def test_a_load_is_ready_when_prefetched_or_at_its_deadline_and_releases_its_ref
         pending.future.result(5)
         (ready,) = loads.ready()
         assert not ready.timed_out and len(loads) == 0
+        assert engine.stats.prefetch_tokens_remote == 32 and engine.stats.prefetch_tokens_disk == 0
         ready.release()
         assert [o.refs for o in engine.objs] == [0, 0]
         ready.release()  # idempotent
@@ -180,6 +191,8 @@ def test_the_prefetch_thread_copies_each_batch_as_its_reads_land(monkeypatch):
         (ready,) = loads.ready()
         assert copies == [(0, CHUNK), (CHUNK, 2 * CHUNK)] and not ready.timed_out
         assert ready.copy.load == ready.req.load and bool(ready.copy.written.all())
+        # the first chunk was in the CPU tier already: only the second counts as read from Redis
+        assert (engine.stats.prefetch_tokens_remote, engine.stats.prefetch_tokens_disk) == (CHUNK, 0)
         ready.release()
     finally:
         loads.close()
@@ -226,7 +239,7 @@ def test_the_deadline_stops_a_background_copy_and_keeps_what_it_copied(monkeypat
 def test_a_hit_the_prefetch_finds_nowhere_is_reported_as_nothing_copied():
     copies: list[tuple[int, int]] = []
     engine = _Engine()
-    engine.storage_manager.iter_prefix = lambda keys: (o for o in ())  # evicted everywhere since the lookup
+    engine.storage_manager.iter_prefix = lambda keys, sources=None: (o for o in ())  # evicted everywhere since the lookup
     with _settled_load(engine, _copier(copies)) as ready:
         assert copies == [] and ready.copy == CopyResult(None)
 

@@ -48,6 +48,7 @@ import torch
 from lmcache.integration.vllm.connector_metadata import LoadSpec, ReqMeta
 from lmcache.log_once import LogOnce
 from lmcache.v1.state_entries import state_key
+from lmcache.v1.tiers import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,7 @@ class AsyncLoads:
         old = self._pending.pop(req.req_id, None)
         if old is not None:  # vLLM never loads a request twice at once; keep the newest
             old.release()
+            self.engine.stats.add(async_loads_settled=1)
         self._pending[req.req_id] = pending
         try:
             keys, num_chunks = self._keys(req)
@@ -248,7 +250,10 @@ class AsyncLoads:
         if self._closed.is_set():
             return []
         if copier is None or not pending.claim():
-            return [o for o in self.engine.storage_manager.batched_get(keys) if o is not None]
+            tiers: list[Tier] = []
+            objs = [o for o in self.engine.storage_manager.batched_get(keys, sources=tiers) if o is not None]
+            self._count_prefetched(pending.req, tiers[:num_chunks])
+            return objs
         objs: list[Any] = []
         try:
             self._copy_as_read(keys[:num_chunks], pending, copier, objs)
@@ -277,7 +282,8 @@ class AsyncLoads:
             copied = stop
             pending.progress = CopyResult(LoadSpec(spec.num_local, spec.num_external, stop), written)
 
-        stream = self.engine.storage_manager.iter_prefix(keys)
+        tiers: list[Tier] = []
+        stream = self.engine.storage_manager.iter_prefix(keys, sources=tiers)
         held = copied
         try:
             for batch in stream:
@@ -294,6 +300,7 @@ class AsyncLoads:
                 return
         finally:
             stream.close()
+            self._count_prefetched(req, tiers)
         if copied <= spec.num_local:
             done = CopyResult(None)  # nothing of the hit was read
         elif copied >= spec.end:
@@ -301,6 +308,20 @@ class AsyncLoads:
         else:
             done = CopyResult(LoadSpec(spec.num_local, spec.num_external, copied), written)
         pending.copy_done(done)
+
+    def _count_prefetched(self, req: ReqMeta, tiers: list[Tier]) -> None:
+        """Count the tokens of ``req``'s load the prefetch read from disk or the remote tier
+        (``tiers``: the tier of each chunk read, from the chunk of ``num_local`` on)."""
+        spec = req.load
+        assert spec is not None
+        c = self.engine.config.chunk_size
+        first = spec.num_local // c
+        counts = {Tier.DISK: 0, Tier.REMOTE: 0}
+        for i, tier in enumerate(tiers, start=first):
+            if tier in counts:
+                counts[tier] += min((i + 1) * c, spec.load_len) - i * c
+        if any(counts.values()):
+            self.engine.stats.add(prefetch_tokens_disk=counts[Tier.DISK], prefetch_tokens_remote=counts[Tier.REMOTE])
 
     def ready(self, now: float | None = None) -> list[PendingLoad]:
         """Loads to copy now (prefetch done, or past the deadline), removed from the pending set."""
@@ -324,6 +345,8 @@ class AsyncLoads:
         self._pending.clear()
         for p in left:
             p.release()
+        if left:
+            self.engine.stats.add(async_loads_settled=len(left))
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._blends.shutdown(wait=False, cancel_futures=True)
         return left

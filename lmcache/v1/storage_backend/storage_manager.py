@@ -294,7 +294,9 @@ class StorageManager:
             sources.extend(h[0] if h else Tier.UNKNOWN for h, o in zip(holders, out[n_l1:]) if o is not None)
         return out
 
-    def iter_prefix(self, keys: Sequence[CacheEngineKey]) -> Iterator[list[MemoryObj]]:
+    def iter_prefix(
+        self, keys: Sequence[CacheEngineKey], *, sources: list[Tier] | None = None
+    ) -> Iterator[list[MemoryObj]]:
         """:meth:`batched_get` as the reads land: yields the objects of the prefix of ``keys``
         in order, in batches (the L1 prefix first, then each lower-tier read with those after it
         that have landed too), one reference each for the caller, and stops at the first miss.
@@ -302,12 +304,17 @@ class StorageManager:
         soon as its first read ends, so the caller can use it while the rest are read.
         Closing the iterator early releases the objects of reads it did not yield when those
         reads end; either way L1 sees the yielded prefix once at the end, as in :meth:`batched_get`,
-        so the caller holds the yielded objects at least until the iterator is exhausted or closed."""
+        so the caller holds the yielded objects at least until the iterator is exhausted or closed.
+        ``sources``, if given, receives the tier of each yielded object (in order) before it is yielded."""
         got: list[MemoryObj] = list(self.local_cpu.get_prefix(keys))
-        futures = [self._read_lower(k) for k in keys[len(got) :]]
+        n_l1 = len(got)
+        holders: list[list[Tier]] = [[] for _ in keys[n_l1:]]
+        futures = [self._read_lower(k, h) for k, h in zip(keys[n_l1:], holders)]
         taken, missed = 0, False
         try:
             if got:
+                if sources is not None:
+                    sources.extend(self.local_cpu.tier for _ in got)
                 yield list(got)
             while taken < len(futures) and not missed:
                 batch: list[MemoryObj] = []
@@ -319,6 +326,9 @@ class StorageManager:
                         break
                     batch.append(obj)
                 if batch:
+                    if sources is not None:
+                        at = len(got) - n_l1
+                        sources.extend(h[0] if h else Tier.UNKNOWN for h in holders[at : at + len(batch)])
                     got += batch
                     yield batch
         finally:
