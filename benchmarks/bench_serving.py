@@ -447,7 +447,7 @@ def run_setup(setup: Setup, model_dir: Path, sizes: Sizes, contexts: list[str], 
             cached = sum(s.cached_tokens for s in result.samples)
             result.lmcache = lmcache_counters(server, cached)
     except Exception:
-        print(f"  [{setup.name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        server.print_log_tail(setup.name)
         raise
     finally:
         server.stop()

@@ -527,7 +527,7 @@ def run_server(model_dir: Path, config: ServerConfig, prompts: list[Prompt], tok
                 before = after
         print(f"  [{run.name}] done in {time.perf_counter() - t0:.0f} s", flush=True)
     except Exception:
-        print(f"  [{run.name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        server.print_log_tail(run.name)
         raise
     finally:
         server.stop()

@@ -155,7 +155,7 @@ def run_setting(name: str, async_loading: bool, model_dir: Path, tokenizer: Any,
                   f"{stall.pct_ms(pair.window, 99):.0f} ms, longest {pair.longest * 1e3:.0f} ms", flush=True)  # fmt: skip
         return result
     except Exception:
-        print(f"  [{name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        server.print_log_tail(name)
         raise
     finally:
         server.stop()

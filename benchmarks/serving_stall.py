@@ -12,7 +12,9 @@ caching off, ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``) and the real model:
    worker's ``clear`` over its lookup socket: CPU and disk tiers only, Redis keeps its
    entries), and the admin lookup must show 0 tokens in the CPU tier and the prompt in
    Redis; after the load, lmcache's ``lmcache_hit_tokens_total{tier}`` counters (the
-   server's ``/metrics``) must have grown in ``remote`` only: the load came from Redis;
+   server's ``/metrics``) must have grown in ``remote`` only: the load came from Redis (an
+   asynchronous load's hits count as ``cpu``, where its copy read them after the prefetch;
+   there ``lmcache_prefetch_tokens_total{tier="remote"}`` must cover them);
 3. *baseline*: ``--streamers`` users (4) each stream a chat answer (``--stream-tokens``
    128, ``ignore_eos``, greedy) at the same time: short story requests on different
    topics, each with a numbered system message so that no block of a streamer's prompt is
@@ -44,6 +46,10 @@ loads ran asynchronously (``lmcache_async_loads_total``).
 ``--async-loading on`` adds ``enable_async_loading: true`` to the lmcache config;
 ``both`` runs a fresh server (and Redis) for each setting, off first, and prints them
 side by side.
+
+The target's floor in the same run (``--vllm-prefix-pairs``, 3): a plain vLLM server with
+its own prefix cache on and no connector; the loader is sent once (vLLM's cache then holds
+it) and again in each loaded run: the streamers' window with nothing to load at all.
 """
 
 from __future__ import annotations
@@ -571,7 +577,7 @@ def run_setting(name: str, async_loading: bool, model_dir: Path, prompts: list[l
         result.load_errors = counters(server)["load_errors"]
         return result
     except Exception:
-        print(f"  [{name}] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        server.print_log_tail(name)
         raise
     finally:
         server.stop()
@@ -673,7 +679,7 @@ def prefix_reference(model_dir: Path, ids: list[int], args: argparse.Namespace, 
                   flush=True)  # fmt: skip
         return ref
     except Exception:
-        print(f"  [vllm-prefix] failed; server log tail:\n{server.log()[-6000:]}", flush=True)
+        server.print_log_tail("vllm-prefix")
         raise
     finally:
         server.stop()

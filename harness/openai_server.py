@@ -118,6 +118,10 @@ class OpenAIServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def print_log_tail(self, what: str, chars: int = 6000) -> None:
+        """Print the last ``chars`` characters of the server's log after ``what`` failed (benchmarks)."""
+        print(f"  [{what}] failed; server log tail:\n{self.log()[-chars:]}", flush=True)
+
     def metrics(self) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             return r.read().decode()
