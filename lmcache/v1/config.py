@@ -277,6 +277,7 @@ _PARSERS = {
     "enable_async_loading": _as_bool,
     "async_load_timeout": _as_float,
     "async_max_loads": _as_int,
+    "async_min_tokens": _as_int,
     "async_copy_step_tokens": _as_int,
     "async_copy_in_background": _as_bool,
     "enable_blending": _as_bool,
@@ -393,6 +394,11 @@ class LMCacheEngineConfig:
     recomputed by vLLM (a frozen or lost remote tier never holds a request longer)."""
     async_max_loads: int = 16
     """Asynchronous loads in flight per engine; further hits are loaded synchronously."""
+    async_min_tokens: int = 0
+    """A hit loads asynchronously only when at least this many of its tokens are outside the
+    CPU tier (disk, remote); a smaller lower-tier part loads in the step, where reading it
+    costs the other requests less than the extra vLLM step costs the request. 0: any whole
+    chunk outside the CPU tier. Blends are always asynchronous."""
     async_copy_step_tokens: int = 1024
     """Tokens of prefetched asynchronous loads copied into vLLM's blocks per step (whole
     chunks, at least one): a long hit is copied over several steps, so no step stalls
@@ -629,6 +635,8 @@ class LMCacheEngineConfig:
             raise ConfigError(f"async_load_timeout={self.async_load_timeout!r}: expected seconds > 0")
         if self.async_max_loads < 1:
             raise ConfigError(f"async_max_loads={self.async_max_loads!r}: expected an integer >= 1")
+        if self.async_min_tokens < 0:
+            raise ConfigError(f"async_min_tokens={self.async_min_tokens!r}: expected tokens >= 0")
         if self.async_copy_step_tokens < 1:
             raise ConfigError(f"async_copy_step_tokens={self.async_copy_step_tokens!r}: expected tokens >= 1")
 

@@ -63,6 +63,8 @@ def test_env_forms(monkeypatch):
         ({"blend_sink_tokens": "many"}, "blend_sink_tokens"),
         ({"lazy_store": "later"}, "lazy_store='later': expected a boolean"),
         ({"async_copy_in_background": "sometimes"}, "async_copy_in_background='sometimes': expected a boolean"),
+        ({"async_min_tokens": -1}, "async_min_tokens=-1: expected tokens >= 0"),
+        ({"async_min_tokens": "few"}, "async_min_tokens"),
         ({"lazy_store": True, "enable_blending": True}, "lazy_store=True with enable_blending=True"),
         ({"blend_special_str": ""}, "blend_special_str=''"),
         ({"blend_special_str": "   "}, "visible characters"),

@@ -65,6 +65,23 @@ def test_a_hit_in_the_cpu_tier_loads_in_the_step(tiny_llama_dir, redis_server):
     assert delta(rounds, "async_loads") == 0 and delta(rounds, "hit_tokens") > 0
 
 
+@pytest.mark.parametrize("min_tokens", [0, 512])
+def test_a_lower_tier_part_shorter_than_async_min_tokens_loads_in_the_step(tiny_llama_dir, redis_server, min_tokens):
+    prompts = shared_prefix_prompts(chunk_size=CHUNK, seed=7)[:4]
+    assert max(len(p) for p in prompts) < 512  # every hit's Redis part is shorter than 512 tokens
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
+               "enable_async_loading": True, "async_min_tokens": min_tokens}  # fmt: skip
+    out = run_vllm(VLLMRun(model=str(tiny_llama_dir), rounds=[prompts, prompts], lmcache=lmcache,
+                           actions={1: {"type": "evict_cpu"}}, **COMMON))  # fmt: skip
+    rounds = out["rounds"]
+    assert rounds[1]["outputs"] == rounds[0]["outputs"]
+    assert delta(rounds, "load_errors") == 0
+    if min_tokens == 0:  # the default: any whole chunk in Redis loads asynchronously
+        assert delta(rounds, "async_loads") >= 1 and delta(rounds, "prefetch_tokens_remote") > 0
+    else:  # read from Redis in the step instead
+        assert delta(rounds, "async_loads") == 0 and delta(rounds, "hit_tokens_remote") > 0
+
+
 def test_redis_frozen_mid_load_costs_the_deadline_not_a_hang(tiny_llama_dir, redis_server):
     prompt = shared_prefix_prompts(chunk_size=CHUNK, seed=7)[0]
     assert len(prompt) >= 2 * CHUNK

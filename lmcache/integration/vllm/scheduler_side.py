@@ -297,9 +297,10 @@ class SchedulerConnector:
 
     def _load_async(self, request: Any, num_computed: int, offered: int) -> bool:
         """Whether ``offered`` tokens after ``num_computed`` are worth an asynchronous load:
-        a blend, or a hit with whole chunks outside the CPU tier (a CPU-tier hit is one
-        memcpy: loaded in the step); never for disaggregated prefill; fewer than
-        ``async_max_loads`` in flight. Marks the tracker's offer asynchronous."""
+        a blend, or a hit with whole chunks outside the CPU tier, at least ``async_min_tokens``
+        of them (a CPU-tier hit is one memcpy, a short lower-tier part a short read: loaded in
+        the step); never for disaggregated prefill; fewer than ``async_max_loads`` in flight.
+        Marks the tracker's offer asynchronous."""
         cfg = self.settings.config
         tracker = self.planner.get(request.request_id)
         if not cfg.enable_async_loading or tracker is None or tracker.pd is not None:
@@ -319,7 +320,7 @@ class SchedulerConnector:
                       type(exc).__name__, exc)  # fmt: skip
             return False
         whole = end - end % self.planner.config.chunk_size  # a block-granular tail counts as resident
-        if resident is None or resident >= whole:
+        if resident is None or resident >= whole or whole - max(resident, num_computed) < cfg.async_min_tokens:
             return False
         tracker.async_offer = True
         return True
