@@ -279,25 +279,17 @@ class StorageManager:
         touched from the tail to the head so the head stays most recent. If
         ``sources`` is given, the tier (``StorageBackend.tier``, a :class:`Tier`) of each
         returned object is appended to it, in order. ``location`` (LMCache's keyword, a
-        tier name) reads that one tier only.
+        tier name) reads that one tier only. (:meth:`iter_prefix`, read to its end.)
         """
         if location is not None:
             return self._read_at(self._location(location), keys, sources)
-        out: list[MemoryObj | None] = list(self.local_cpu.get_prefix(keys))
-        n_l1 = len(out)
-        holders: list[list[Tier]] = [[] for _ in keys[n_l1:]]
-        if n_l1 < len(keys):
-            out += _gather_prefix([self._read_lower(k, h) for k, h in zip(keys[n_l1:], holders)]).result()
-        self.local_cpu.admit_sequence(keys[: len(out)], out)
-        if sources is not None:
-            sources.extend(self.local_cpu.tier for _ in range(n_l1))
-            sources.extend(h[0] if h else Tier.UNKNOWN for h, o in zip(holders, out[n_l1:]) if o is not None)
-        return out
+        out: list[MemoryObj | None] = [obj for batch in self.iter_prefix(keys, sources=sources) for obj in batch]
+        return out + [None] * (len(keys) - len(out))
 
     def iter_prefix(
         self, keys: Sequence[CacheEngineKey], *, sources: list[Tier] | None = None
     ) -> Iterator[list[MemoryObj]]:
-        """:meth:`batched_get` as the reads land: yields the objects of the prefix of ``keys``
+        """The reads of :meth:`batched_get` as they land: yields the objects of the prefix of ``keys``
         in order, in batches (the L1 prefix first, then each lower-tier read with those after it
         that have landed too), one reference each for the caller, and stops at the first miss.
         The lower tiers are read in parallel as in :meth:`batched_get`; a batch is yielded as
