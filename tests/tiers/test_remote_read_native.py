@@ -170,31 +170,6 @@ def test_asan_ubsan_build_of_the_native_reader(tmp_path):
     """csrc/sockread.c built with AddressSanitizer and UBSan, driven over socket pairs with
     random sizes, early closes and a slice of a larger buffer: the bytes read are the bytes
     sent, nothing outside the destination is written, and the bytes after it stay in the socket."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    import sysconfig
+    from tests.native_build import run_sanitized_extension
 
-    from tests.native_build import REPO, child_env
-
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
-    libasan = found.stdout.strip()
-    if not os.path.isabs(libasan) or not os.path.exists(libasan):
-        pytest.skip("libasan is not available")
-    include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
-        pytest.skip("Python's C headers are not installed")
-    lib = tmp_path / "_sockread_asan.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-g", "-std=c11", "-Wall", "-fsanitize=address,undefined",
-                    "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-                    f"-I{include}", str(REPO / "csrc" / "sockread.c"), "-o", str(lib)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
-    env = child_env(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
-                    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", _ASAN_DRIVER, str(lib), "11", "60"], env=env, capture_output=True,
-                         text=True, timeout=600, check=False)  # fmt: skip
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout + out.stderr)[-4000:]
+    run_sanitized_extension(tmp_path, "sockread.c", "_sockread", _ASAN_DRIVER, "11", "60")
