@@ -69,6 +69,17 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
+def sanitizer_env(compiler: str) -> dict[str, str]:
+    """:func:`child_env` for a child that loads an ASan + UBSan build made by ``compiler``:
+    its libasan preloaded, halting on the first error. Skips the test without libasan."""
+    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
+    libasan = found.stdout.strip()
+    if not os.path.isabs(libasan) or not os.path.exists(libasan):
+        pytest.skip("libasan is not available")
+    return child_env(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
+                     UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")  # fmt: skip
+
+
 def run_sanitized_extension(tmp_path: Path, source: str, module: str, driver: str, *args: str) -> None:
     """Build the C extension ``csrc/<source>`` as ``module`` with AddressSanitizer and UBSan,
     then run ``driver`` (Python source; ``sys.argv[1]`` is the built library's path, then
@@ -80,10 +91,7 @@ def run_sanitized_extension(tmp_path: Path, source: str, module: str, driver: st
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
-    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
-    libasan = found.stdout.strip()
-    if not os.path.isabs(libasan) or not os.path.exists(libasan):
-        pytest.skip("libasan is not available")
+    env = sanitizer_env(compiler)
     include = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(include, "Python.h")):
         pytest.skip("Python's C headers are not installed")
@@ -92,8 +100,6 @@ def run_sanitized_extension(tmp_path: Path, source: str, module: str, driver: st
                     "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
                     f"-I{include}", str(REPO / "csrc" / source), "-o", str(lib)],
                    check=True, capture_output=True, text=True)  # fmt: skip
-    env = child_env(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
-                    UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", driver, str(lib), *args], env=env, capture_output=True, text=True,
                          timeout=600, check=False)  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.stdout + out.stderr)[-4000:]

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from lmcache.v1.gpu_connector import copy_ops, native
 from lmcache.v1.gpu_connector.layouts import get_layout
 from lmcache.v1.testing import LAYOUT_NAMES, KVSpec, random_kv_caches
-from tests.native_build import build_cpu_kernels, child_env, cxx
+from tests.native_build import build_cpu_kernels, cxx, sanitizer_env
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO / "csrc" / "paged_copy.cpp"
@@ -258,17 +258,9 @@ def asan_build(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     compiler = cxx()
     if compiler is None:
         pytest.skip("no C++ compiler")
-    found = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True, text=True, check=True)
-    libasan = found.stdout.strip()
-    if not os.path.isabs(libasan) or not os.path.exists(libasan):
-        pytest.skip("libasan is not available")
+    env = sanitizer_env(compiler)
     lib = build(tmp_path / "asan.so", "-O1", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                 "-fno-omit-frame-pointer")
-    env = child_env(
-        LD_PRELOAD=libasan,
-        ASAN_OPTIONS="detect_leaks=0:halt_on_error=1",
-        UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
-    )
     return lib, env
 
 
