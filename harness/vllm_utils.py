@@ -428,7 +428,8 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
     recurrent-state entry (hybrid models).
     ``{"type": "evict_cpu"}``: remove every chunk from the CPU tier (the lower tiers keep theirs).
     ``{"type": "stop_after_lookup", "pid": p}``: ``evict_cpu``, then SIGSTOP process ``p`` (a
-    ``redis-server``) right after the next lookup that finds a hit (mid-load).
+    ``redis-server``) right after the next lookup that finds a hit (mid-load); with
+    ``"signal": "SIGKILL"`` that signal instead (the server dies mid-load).
     ``{"type": "resume", "pid": p}``: SIGCONT process ``p`` (the engine then shuts down without
     waiting out the remote tier's timeout).
     """
@@ -498,11 +499,12 @@ def _apply_action(engine_id: str, action: dict[str, Any]) -> dict[str, Any]:
         for key in keys:
             sm.local_cpu.remove(key)
         pid, real_lookup = int(action["pid"]), engine.lookup_prefix
+        signum = signal.Signals[action.get("signal", "SIGSTOP")]
 
         def lookup_then_stop(pk, *a, **kw):
             hit = real_lookup(pk, *a, **kw)
             if hit:
-                os.kill(pid, signal.SIGSTOP)
+                os.kill(pid, signum)
                 engine.lookup_prefix = real_lookup  # type: ignore[method-assign]
             return hit
 

@@ -100,3 +100,23 @@ def test_redis_frozen_mid_load_costs_the_deadline_not_a_hang(tiny_llama_dir, red
     assert rounds[1]["outputs"] == rounds[0]["outputs"]  # recomputed
     assert delta(rounds, "async_load_timeouts") == 1
     assert rounds[1]["seconds"] < 10.0, rounds[1]["seconds"]  # the 1 s deadline, not Redis's 20 s timeout
+
+
+def test_redis_killed_mid_load_is_recomputed_not_waited_for(tiny_llama_dir, redis_server):
+    """redis-server dies (SIGKILL) right after the lookup found the hit in Redis: the prefetch's
+    reads fail, the request is recomputed with the same outputs, well before the deadline, and
+    the engine keeps serving (the next round runs)."""
+    prompt = shared_prefix_prompts(chunk_size=CHUNK, seed=8)[0]
+    assert len(prompt) >= 2 * CHUNK
+    lmcache = {"chunk_size": CHUNK, "max_local_cpu_size": 0.25, "remote_url": redis_server.url,
+               "remote_timeout": 20.0, "enable_async_loading": True, "async_load_timeout": 15.0}  # fmt: skip
+    out = run_vllm(VLLMRun(
+        model=str(tiny_llama_dir), rounds=[[prompt], [prompt], [prompt]], lmcache=lmcache, timeout=300,
+        actions={1: {"type": "stop_after_lookup", "pid": redis_server.pid, "signal": "SIGKILL"}},
+        **COMMON,
+    ))  # fmt: skip
+    rounds = out["rounds"]
+    assert rounds[1]["outputs"] == rounds[0]["outputs"] == rounds[2]["outputs"]
+    assert delta(rounds, "async_loads") == 1 and delta(rounds, "async_load_timeouts") == 0
+    assert delta(rounds, "hit_tokens") == 0  # nothing was read: every token recomputed
+    assert rounds[1]["seconds"] < 10.0, rounds[1]["seconds"]  # neither the 15 s deadline nor Redis's 20 s timeout
