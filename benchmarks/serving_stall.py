@@ -536,14 +536,22 @@ def loaded_run(server: OpenAIServer, client: Any, args: argparse.Namespace, ids:
     tiers = admin.tiers(ids)
     kind = "warm" if tiers.get("cpu", 0) >= len(ids) - 1 else "loaded"
     before = counters(server)
-    progress = Progress(args.load_after, args.streamers)
-    with ThreadPoolExecutor(args.streamers) as pool:
-        futures = run_streamers(client, server.model, args, progress, pool)
-        reached = progress.wait(timeout=600)
-        loader = send_prompt(client, server.model, ids, kind)
-        traces = [f.result() for f in futures]
+    traces, loader, reached = streamers_and_loader(client, server.model, args, ids, kind)
     loader.cpu_before, loader.remote_before = tiers.get("cpu", 0), tiers.get("remote", 0)
     record_counters(loader, counters_after(server, before, loader.cached_tokens))
+    return traces, loader, reached
+
+
+def streamers_and_loader(client: Any, model: str, args: argparse.Namespace, ids: list[int],
+                         kind: str) -> tuple[list[StreamTrace], LoaderSend, int]:  # fmt: skip
+    """The streamers, and the loader ``ids`` sent once each produced ``--load-after`` chunks;
+    also how many streamers had by then."""
+    progress = Progress(args.load_after, args.streamers)
+    with ThreadPoolExecutor(args.streamers) as pool:
+        futures = run_streamers(client, model, args, progress, pool)
+        reached = progress.wait(timeout=600)
+        loader = send_prompt(client, model, ids, kind)
+        traces = [f.result() for f in futures]
     return traces, loader, reached
 
 
@@ -664,12 +672,7 @@ def prefix_reference(model_dir: Path, ids: list[int], args: argparse.Namespace, 
             time.sleep(args.settle)
             base = baseline_run(client, server.model, args)
             time.sleep(args.settle)
-            progress = Progress(args.load_after, args.streamers)
-            with ThreadPoolExecutor(args.streamers) as pool:
-                futures = run_streamers(client, server.model, args, progress, pool)
-                reached = progress.wait(timeout=600)
-                loader = send_prompt(client, server.model, ids, "warm")
-                traces = [f.result() for f in futures]
+            traces, loader, reached = streamers_and_loader(client, server.model, args, ids, "warm")
             window = [g for t in traces for g in t.gaps_within(loader.sent, loader.first)]
             pair = PairResult(base, steady_gaps(traces), window, loader, reached)
             ref.pairs.append(pair)
