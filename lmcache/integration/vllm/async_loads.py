@@ -100,6 +100,8 @@ class PendingLoad:
     """Set by the prefetch thread when it copied the load itself (before its future resolves)."""
     progress: CopyResult | None = None
     """What a background copy has written so far (its load cut to the tokens copied)."""
+    on_release: Callable[[], None] | None = field(default=None, repr=False)
+    """Called once, by the first :meth:`release` (the load is settled: not in flight any more)."""
     _claimed: bool = False
     _stopped: bool = False
     _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -142,6 +144,8 @@ class PendingLoad:
         if self.released:
             return
         self.released = True
+        if self.on_release is not None:
+            self.on_release()
         if self.blend:
             return
         if self.future is not None and self.future.done() and not self.future.cancelled():
@@ -193,11 +197,10 @@ class AsyncLoads:
         writes into ``req``'s blocks; an exception it raises becomes a failed load)."""
         assert req.load is not None
         now = time.monotonic()
-        pending = PendingLoad(req, now, now + self.timeout)
+        pending = PendingLoad(req, now, now + self.timeout, on_release=self._settled_one)
         old = self._pending.pop(req.req_id, None)
         if old is not None:  # vLLM never loads a request twice at once; keep the newest
             old.release()
-            self.engine.stats.add(async_loads_settled=1)
         self._pending[req.req_id] = pending
         try:
             keys, num_chunks = self._keys(req)
@@ -210,10 +213,14 @@ class AsyncLoads:
     def start_blend(self, req: ReqMeta, work: Callable[[], Any]) -> None:
         """Run ``work`` (``req``'s blend, writing into its blocks) on the blend thread."""
         now = time.monotonic()
-        pending = PendingLoad(req, now, now, blend=True)
+        pending = PendingLoad(req, now, now, blend=True, on_release=self._settled_one)
         pending.future = self._blends.submit(work)
         pending.future.add_done_callback(self._wake)
         self._pending[req.req_id] = pending
+
+    def _settled_one(self) -> None:
+        """A load or blend left flight (``async_loads_in_flight`` = started - settled)."""
+        self.engine.stats.add(async_loads_settled=1)
 
     def _wake(self, _fut: Future[Any]) -> None:
         self._settled.set()
@@ -345,8 +352,6 @@ class AsyncLoads:
         self._pending.clear()
         for p in left:
             p.release()
-        if left:
-            self.engine.stats.add(async_loads_settled=len(left))
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._blends.shutdown(wait=False, cancel_futures=True)
         return left

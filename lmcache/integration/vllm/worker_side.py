@@ -454,7 +454,6 @@ class WorkerConnector:
                 self._fail_load(pending.req, exc)
             if finished or pending.req.req_id in self._failed:
                 done.add(pending.req.req_id)  # vLLM holds the request until it is reported
-                self.engine.stats.add(async_loads_settled=1)
                 self.engine.latency["async_load"].observe(time.monotonic() - pending.started)
                 pending.release()
             else:
